@@ -1,0 +1,32 @@
+"""Errors a user can cause. Each carries a plain one-line message and an exit code;
+the CLI and the HTTP edge catch them once and print the message, never a traceback."""
+
+
+class MawError(Exception):
+    exit_code = 2
+
+
+class FormatError(MawError):
+    """A model file or pack is missing, truncated, malformed or unsupported."""
+
+
+class UnsupportedError(FormatError):
+    """An architecture or quant type MawForge does not handle."""
+
+
+class PackExists(MawError):
+    """Refusing to overwrite an existing pack without --force."""
+
+
+class IntegrityError(MawError):
+    """A digest did not match: the pack is damaged."""
+    exit_code = 3
+
+
+class BudgetRejected(MawError):
+    """The planner rejected the configuration (a result, given its own exit code)."""
+    exit_code = 4
+
+
+class RequestError(MawError):
+    """A request the engine cannot serve (empty prompt, over the context, bad parameter)."""

@@ -1,0 +1,152 @@
+"""A strict, bounds-checked GGUF header reader that never touches tensor data.
+
+Tensor shapes come back in numpy order (GGUF stores ne[] innermost first); offsets are
+absolute. A 3-D expert tensor [n_expert, rows, cols] has the expert outermost, so each
+expert is one contiguous byte range.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from gguf import GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType as QT, GGUFValueType as VT
+
+from mawforge.errors import FormatError, UnsupportedError
+from mawforge.formats import names
+from mawforge.formats.config import from_gguf_metadata
+from mawforge.formats.source import ExpertTensor, Source, TensorInfo
+
+_SCALAR = {
+    VT.UINT8: "<B", VT.INT8: "<b", VT.UINT16: "<H", VT.INT16: "<h", VT.UINT32: "<I",
+    VT.INT32: "<i", VT.FLOAT32: "<f", VT.BOOL: "<?", VT.UINT64: "<Q", VT.INT64: "<q",
+    VT.FLOAT64: "<d",
+}
+_MAX_STR = 1 << 24
+_MAX_ARRAY = 1 << 26
+
+
+class _Reader:
+    def __init__(self, f: BinaryIO, size: int, name: str):
+        self.f, self.size, self.name = f, size, name
+
+    def take(self, n: int) -> bytes:
+        b = self.f.read(n)
+        if len(b) != n:
+            raise FormatError(f"{self.name}: truncated GGUF header (needed {n} bytes at offset "
+                              f"{self.f.tell() - len(b)}, file has {self.size})")
+        return b
+
+    def scalar(self, fmt: str) -> Any:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        if n > _MAX_STR:
+            raise FormatError(f"{self.name}: malformed GGUF (string of {n} bytes)")
+        try:
+            return self.take(n).decode("utf-8")
+        except UnicodeDecodeError:
+            raise FormatError(f"{self.name}: malformed GGUF (string is not UTF-8)") from None
+
+    def value(self, vt: int) -> Any:
+        try:
+            vt = VT(vt)
+        except ValueError:
+            raise FormatError(f"{self.name}: malformed GGUF (unknown value type {vt})") from None
+        if vt == VT.STRING:
+            return self.string()
+        if vt == VT.ARRAY:
+            et, n = self.scalar("<I"), self.scalar("<Q")
+            if n > _MAX_ARRAY:
+                raise FormatError(f"{self.name}: malformed GGUF (array of {n} items)")
+            if et in _SCALAR:
+                fmt = _SCALAR[VT(et)]
+                sz = struct.calcsize(fmt)
+                return list(struct.unpack(f"<{n}{fmt[1]}", self.take(n * sz)))
+            return [self.value(et) for _ in range(n)]
+        return self.scalar(_SCALAR[vt])
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], list[TensorInfo], int]:
+    """Metadata, tensor table (raw GGUF names) and data offset of a GGUF file."""
+    size = os.path.getsize(path)
+    with open(path, "rb", buffering=1 << 20) as f:
+        r = _Reader(f, size, path.name)
+        if size < 24 or r.scalar("<I") != GGUF_MAGIC:
+            raise FormatError(f"{path.name}: not a GGUF file (bad magic)")
+        version = r.scalar("<I")
+        if version not in (2, 3):
+            raise FormatError(f"{path.name}: GGUF version {version} is not supported (2 or 3)")
+        n_tensors, n_kv = r.scalar("<Q"), r.scalar("<Q")
+        if n_tensors > 1 << 20 or n_kv > 1 << 20:
+            raise FormatError(f"{path.name}: malformed GGUF ({n_tensors} tensors, {n_kv} keys)")
+        meta: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = r.string()
+            meta[key] = r.value(r.scalar("<I"))
+        raw = []
+        for _ in range(n_tensors):
+            name = r.string()
+            nd = r.scalar("<I")
+            if not 1 <= nd <= 4:
+                raise FormatError(f"{path.name}: malformed GGUF ({name} has {nd} dims)")
+            ne = [r.scalar("<Q") for _ in range(nd)]
+            t = r.scalar("<I")
+            try:
+                qt = QT(t)
+            except ValueError:
+                raise UnsupportedError(f"{path.name}: tensor {name} has unknown ggml type {t}") from None
+            raw.append((name, tuple(reversed(ne)), qt, r.scalar("<Q")))
+        align = int(meta.get("general.alignment", 32))
+        if align <= 0 or align & (align - 1):
+            raise FormatError(f"{path.name}: malformed GGUF (alignment {align})")
+        data_offset = -(-f.tell() // align) * align
+    tensors = []
+    for name, shape, qt, rel in raw:
+        if qt not in GGML_QUANT_SIZES:
+            raise UnsupportedError(f"{path.name}: tensor {name} has ggml type {qt.name}, which has no size")
+        block, tsize = GGML_QUANT_SIZES[qt]
+        n = 1
+        for s in shape:
+            n *= s
+        nbytes = n // block * tsize
+        off = data_offset + rel
+        if off + nbytes > size:
+            raise FormatError(f"{path.name} is truncated: tensor {name} ends at byte {off + nbytes}, "
+                              f"file has {size}")
+        tensors.append(TensorInfo(name, qt, shape, path, off, nbytes))
+    return meta, tensors, data_offset
+
+
+def open_gguf(path: Path) -> Source:
+    meta, tensors, _ = read_header(path)
+    common: dict[str, TensorInfo] = {}
+    per_expert: dict[tuple[int, str], dict[int, TensorInfo]] = {}
+    experts: dict[tuple[int, str], ExpertTensor] = {}
+    for t in tensors:
+        en = names.gguf_expert(t.name)
+        if en is None:
+            common[t.name] = t
+        elif en.expert is None:
+            if len(t.shape) != 3:
+                raise FormatError(f"{path.name}: expert tensor {t.name} is not 3-D: {list(t.shape)}")
+            e_count, n_rows, k = t.shape
+            per = t.nbytes // e_count
+            experts[(en.layer, en.kind)] = ExpertTensor(
+                en.layer, en.kind, t.qtype, (n_rows, k),
+                tuple((path, t.offset + e * per, per) for e in range(e_count)))
+        else:
+            per_expert.setdefault((en.layer, en.kind), {})[en.expert] = t
+    for (layer, kind), by_e in per_expert.items():
+        ts = [by_e[e] for e in sorted(by_e)]
+        experts[(layer, kind)] = ExpertTensor(layer, kind, ts[0].qtype, ts[0].shape,
+                                              tuple((path, t.offset, t.nbytes) for t in ts))
+    emb = common.get("token_embd.weight")
+    if emb is None:
+        raise FormatError(f"{path.name}: no token_embd.weight tensor")
+    cfg = from_gguf_metadata(meta, vocab=emb.shape[0])
+    if "output.weight" not in common:
+        cfg = type(cfg).from_dict({**cfg.to_dict(), "tie_embeddings": True})
+    return Source("gguf", path, cfg, meta, common, experts, files=[path])

@@ -1,0 +1,129 @@
+"""Read-only views of a source model (GGUF file or HF safetensors directory).
+
+A Source never loads a model: it holds metadata, the normalized config and, for every
+tensor, where its bytes lie (file, absolute offset, length). Routed experts are exposed
+per (layer, kind) with one contiguous byte range per expert, whatever the source layout
+(a GGUF 3-D tensor, an HF fused 3-D parameter, or one HF tensor per expert).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gguf import GGMLQuantizationType as QT
+from gguf import GGML_QUANT_SIZES
+
+from mawforge.errors import FormatError
+from mawforge.formats.config import ModelConfig
+
+EXPERT_KINDS = ("gate", "up", "down", "gate_up")
+
+
+def row_bytes(qtype: QT, k: int) -> int:
+    block, size = GGML_QUANT_SIZES[qtype]
+    if k % block:
+        raise FormatError(f"row length {k} is not a multiple of the {qtype.name} block size {block}")
+    return k // block * size
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str                  # canonical (llama.cpp) name, e.g. blk.0.attn_q.weight
+    qtype: QT
+    shape: tuple[int, ...]     # numpy order: outermost first, last = row length
+    path: Path
+    offset: int                # absolute byte offset in path
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        n_rows = 1
+        for s in self.shape[:-1]:
+            n_rows *= s
+        want = n_rows * row_bytes(self.qtype, self.shape[-1])
+        if want != self.nbytes:
+            raise FormatError(f"{self.name}: {self.nbytes} bytes stored, {want} expected "
+                              f"for {self.qtype.name} {list(self.shape)}")
+
+
+@dataclass(frozen=True)
+class ExpertTensor:
+    """One kind (gate/up/down/gate_up) of one layer's routed experts."""
+    layer: int
+    kind: str
+    qtype: QT
+    shape: tuple[int, int]                           # per expert: (N rows, K row length)
+    pieces: tuple[tuple[Path, int, int], ...]        # per expert: (path, offset, nbytes)
+
+    def __post_init__(self) -> None:
+        if self.kind not in EXPERT_KINDS:
+            raise FormatError(f"unknown expert tensor kind {self.kind!r}")
+        want = self.shape[0] * row_bytes(self.qtype, self.shape[1])
+        for e, (_, _, n) in enumerate(self.pieces):
+            if n != want:
+                raise FormatError(f"layer {self.layer} expert {e} {self.kind}: {n} bytes, {want} expected")
+
+    @property
+    def expert_nbytes(self) -> int:
+        return self.pieces[0][2]
+
+
+@dataclass
+class Source:
+    kind: str                                       # "gguf" or "hf"
+    path: Path
+    config: ModelConfig
+    metadata: dict                                   # GGUF key/values, or HF config.json
+    common: dict[str, TensorInfo]
+    experts: dict[tuple[int, str], ExpertTensor]
+    files: list[Path] = field(default_factory=list)  # every file whose bytes are read
+    extra_files: list[Path] = field(default_factory=list)  # tokenizer files to copy (HF)
+
+    def identity(self) -> dict:
+        """Path, total size and mtime of the source files (the digest is computed while packing)."""
+        size = sum(os.path.getsize(f) for f in self.files)
+        mtime = max(os.path.getmtime(f) for f in self.files)
+        return {"kind": self.kind, "path": str(self.path.resolve()), "size": size,
+                "mtime": mtime, "files": [f.name for f in self.files]}
+
+    def expert_kinds(self, layer: int) -> list[str]:
+        return [k for k in EXPERT_KINDS if (layer, k) in self.experts]
+
+    def validate(self) -> None:
+        cfg = self.config
+        for layer in range(cfg.n_layers):
+            kinds = self.expert_kinds(layer)
+            if kinds not in (["gate", "up", "down"], ["down", "gate_up"]):
+                raise FormatError(f"layer {layer}: routed expert tensors incomplete (found {kinds})")
+            for k in kinds:
+                t = self.experts[(layer, k)]
+                if len(t.pieces) != cfg.n_experts:
+                    raise FormatError(f"layer {layer} {k}: {len(t.pieces)} experts, config says {cfg.n_experts}")
+        for need in ("token_embd.weight", "output_norm.weight"):
+            if need not in self.common:
+                raise FormatError(f"model has no {need} tensor")
+        for path, size in ((p, os.path.getsize(p)) for p in self.files):
+            for t in self.common.values():
+                if t.path == path and t.offset + t.nbytes > size:
+                    raise FormatError(f"{path.name} is truncated: {t.name} ends at byte "
+                                      f"{t.offset + t.nbytes}, file has {size}")
+            for t in self.experts.values():
+                for (p, off, n) in t.pieces:
+                    if p == path and off + n > size:
+                        raise FormatError(f"{path.name} is truncated: layer {t.layer} {t.kind} experts "
+                                          f"end at byte {off + n}, file has {size}")
+
+
+def open_source(path: str | os.PathLike) -> Source:
+    """Open a GGUF file or an HF directory; one-line FormatError on anything malformed."""
+    p = Path(path)
+    if not p.exists():
+        raise FormatError(f"{p}: no such file or directory")
+    if p.is_dir():
+        from mawforge.formats.hf import open_hf
+        src = open_hf(p)
+    else:
+        from mawforge.formats.gguf import open_gguf
+        src = open_gguf(p)
+    src.validate()
+    return src

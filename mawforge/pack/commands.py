@@ -1,0 +1,70 @@
+"""CLI commands for packs: pack, inspect, verify."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mawforge.errors import IntegrityError
+
+
+class Pack:
+    help = "split a GGUF file or HF directory into a pack (streaming, atomic)"
+
+    @staticmethod
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        p.add_argument("source", help="model.gguf or a Hugging Face model directory")
+        p.add_argument("-o", "--output", required=True, help="pack directory to create")
+        p.add_argument("--alignment", type=int, default=65536, help="block alignment in bytes (>= 4096)")
+        p.add_argument("--layout", choices=("fast", "exact"), default="fast",
+                       help="fast: transcode to the runtime's fast kernels; exact: keep source bytes")
+        p.add_argument("--force", action="store_true", help="replace an existing pack")
+        p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    @staticmethod
+    def main(a: argparse.Namespace) -> int:
+        from mawforge.pack.inspect import gib
+        from mawforge.pack.packer import pack
+        m = pack(a.source, a.output, alignment=a.alignment, layout=a.layout, force=a.force,
+                 progress=not a.quiet and sys.stderr.isatty())
+        b = m.byte_totals
+        print(f"packed {m.config.arch} into {a.output}: common {gib(b['common'])}, "
+              f"experts {gib(b['experts'])} in {b['expert_blocks']} blocks, digest {m.pack_digest}")
+        return 0
+
+
+class Inspect:
+    help = "show what is in a pack or a source model"
+
+    @staticmethod
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        p.add_argument("path", help="pack directory, model.gguf or HF directory")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    @staticmethod
+    def main(a: argparse.Namespace) -> int:
+        from mawforge.pack.inspect import describe, table
+        d = describe(a.path)
+        print(json.dumps(d, indent=1) if a.json else table(d))
+        return 0
+
+
+class Verify:
+    help = "recompute every digest of a pack; names damaged blocks"
+
+    @staticmethod
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        p.add_argument("pack")
+        p.add_argument("--json", action="store_true")
+
+    @staticmethod
+    def main(a: argparse.Namespace) -> int:
+        from mawforge.pack.verify import verify
+        rep = verify(a.pack, progress=sys.stderr.isatty() and not a.json)
+        if a.json:
+            print(json.dumps({"ok": rep.ok, "blocks_checked": rep.blocks_checked,
+                              "damaged_blocks": rep.damaged_blocks, "damaged_common": rep.damaged_common,
+                              "problems": rep.problems}))
+        else:
+            print("\n".join(rep.lines()))
+        return 0 if rep.ok else IntegrityError.exit_code

@@ -1,0 +1,334 @@
+"""Streaming packer: source model -> split pack, with bounded memory.
+
+Memory bound: one reader thread keeps at most QUEUE_BLOCKS expert blocks of source bytes
+in flight, the writer holds one encoded block, and common tensors are copied in CHUNK
+slices (a transcoded common tensor is encoded whole, so only tensors up to
+TRANSCODE_COMMON_MAX source bytes are transcoded). Peak memory therefore depends on the
+largest expert block and those caps, never on the model's size.
+Atomic: everything is written into a hidden temp directory next to the target and renamed
+into place only after every file is fsynced; any error or Ctrl-C removes the temp dir.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import queue
+import shutil
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from mawforge import __version__
+from mawforge.errors import FormatError, MawError, PackExists
+from mawforge.formats import quants
+from mawforge.formats.source import ExpertTensor, Source, TensorInfo, open_source
+from mawforge.pack.manifest import (COMMON, EXPERTS, INDEX, MANIFEST, ExpertIndex, LayerBlocks,
+                                    Manifest, Part, TensorRecord, digest)
+
+CHUNK = 64 << 20
+QUEUE_BLOCKS = 8
+PART_ALIGN = 64                    # typed views inside a block start on 64-byte boundaries
+COMMON_ALIGN = 4096
+TRANSCODE_COMMON_MAX = 64 << 20
+EMBEDDING = "token_embd.weight"    # row-gathered (and optionally streamed): always byte-exact
+
+
+def _round_up(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def _as2d(shape: tuple[int, ...]) -> tuple[int, int]:
+    n = 1
+    for s in shape[:-1]:
+        n *= s
+    return n, shape[-1]
+
+
+def _place(codec, qtype, shape, base: int, align: int, name: str) -> tuple[TensorRecord, int]:
+    parts, off = [], base
+    for spec in codec.parts(qtype, _as2d(shape)):
+        off = _round_up(off, align)
+        nb = int(np.prod(spec.shape)) * np.dtype(_np_dtype(spec.dtype)).itemsize
+        parts.append(Part(spec.name, spec.dtype, tuple(spec.shape), off, nb))
+        off += nb
+    return TensorRecord(name, qtype.name, codec.name, tuple(shape), tuple(parts)), off
+
+
+def _np_dtype(name: str) -> str:
+    return "uint16" if name == "bfloat16" else name
+
+
+@dataclass
+class _Plan:
+    common: list[tuple[TensorInfo, TensorRecord]]
+    layers: list[tuple[list[ExpertTensor], LayerBlocks]]   # digests filled in while writing
+    common_bytes: int
+    experts_bytes: int
+
+
+def plan_pack(src: Source, alignment: int, layout: str) -> _Plan:
+    if alignment < 4096 or alignment & (alignment - 1):
+        raise FormatError(f"alignment must be a power of two of at least 4096, got {alignment}")
+    common, off = [], 0
+    for name in sorted(src.common):
+        t = src.common[name]
+        big = t.nbytes > TRANSCODE_COMMON_MAX
+        mode = "exact" if (name == EMBEDDING or big or len(t.shape) == 1) else layout
+        codec = quants.choose_codec(t.qtype, mode)
+        rec, end = _place(codec, t.qtype, t.shape, _round_up(off, COMMON_ALIGN), COMMON_ALIGN, name)
+        common.append((t, rec))
+        off = end
+    layers, base = [], 0
+    for layer in range(src.config.n_layers):
+        ets = [src.experts[(layer, k)] for k in src.expert_kinds(layer)]
+        recs, end = [], 0
+        for et in ets:
+            rec, end = _place(quants.choose_codec(et.qtype, layout), et.qtype, et.shape, end,
+                              PART_ALIGN, et.kind)
+            recs.append(rec)
+        stride = _round_up(end, alignment)
+        n = len(ets[0].pieces)
+        offsets = tuple(base + e * stride for e in range(n))
+        layers.append((ets, LayerBlocks(layer, end, tuple(recs), offsets, ("",) * n)))
+        base += n * stride
+    return _Plan(common, layers, off, base)
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                            desc="pack", file=sys.stderr, dynamic_ncols=True)
+
+    def update(self, n: int) -> None:
+        if self.bar:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.close()
+
+
+class _Files:
+    """Read-only fds for the source files, opened once."""
+
+    def __init__(self, paths):
+        self.fds = {}
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            self.fds[p] = fd
+
+    def pread(self, path: Path, off: int, n: int) -> bytes:
+        b = os.pread(self.fds[path], n, off)
+        if len(b) != n:
+            raise FormatError(f"{path.name} is truncated: short read at byte {off}")
+        return b
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+def _encode(rec: TensorRecord, raw: bytes, qtype, shape) -> list[np.ndarray]:
+    codec = quants.CODECS[rec.codec]
+    arrays = codec.encode(np.frombuffer(raw, dtype=np.uint8), qtype, _as2d(shape))
+    for a, p in zip(arrays, rec.parts):
+        if a.nbytes != p.nbytes:
+            raise AssertionError(f"codec {rec.codec} wrote {a.nbytes} bytes for part {p.name}, planned {p.nbytes}")
+    return arrays
+
+
+def _write_common(plan: _Plan, files: _Files, out: Path, hasher, prog: _Progress) -> dict:
+    digests = {}
+    with open(out, "wb") as f:
+        for t, rec in plan.common:
+            h = xxhash.xxh3_128()
+            f.seek(rec.parts[0].offset)
+            codec = quants.CODECS[rec.codec]
+            if codec.byte_exact:
+                for pos in range(0, t.nbytes, CHUNK):
+                    b = files.pread(t.path, t.offset + pos, min(CHUNK, t.nbytes - pos))
+                    hasher.update(b)
+                    h.update(b)
+                    f.write(b)
+                    prog.update(len(b))
+            else:
+                raw = files.pread(t.path, t.offset, t.nbytes)
+                hasher.update(raw)
+                for a, p in zip(_encode(rec, raw, t.qtype, t.shape), rec.parts):
+                    f.seek(p.offset)
+                    mv = memoryview(np.ascontiguousarray(a)).cast("B")
+                    h.update(mv)
+                    f.write(mv)
+                prog.update(t.nbytes)
+            digests[t.name] = h.hexdigest()
+        f.truncate(_round_up(max(plan.common_bytes, 1), COMMON_ALIGN))
+        f.flush()
+        os.fsync(f.fileno())
+    return digests
+
+
+def _reader(plan: _Plan, files: _Files, q: queue.Queue, stop: threading.Event) -> None:
+    try:
+        for ets, lb in plan.layers:
+            for e in range(len(lb.offsets)):
+                raws = [files.pread(*et.pieces[e]) for et in ets]
+                while not stop.is_set():
+                    try:
+                        q.put((lb.layer, e, raws), timeout=0.2)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+        q.put(None)
+    except BaseException as ex:   # hand the error to the writer thread
+        q.put(ex)
+
+
+def _write_experts(plan: _Plan, files: _Files, out: Path, prog: _Progress) -> tuple[list[LayerBlocks], list]:
+    """Returns the layer records with digests, and per (layer, kind) source hashers."""
+    src_hash = {(lb.layer, et.kind): xxhash.xxh3_128() for ets, lb in plan.layers for et in ets}
+    digests: dict[int, list[str]] = {lb.layer: [] for _, lb in plan.layers}
+    q: queue.Queue = queue.Queue(maxsize=QUEUE_BLOCKS)
+    stop = threading.Event()
+    th = threading.Thread(target=_reader, args=(plan, files, q, stop), daemon=True)
+    th.start()
+    by_layer = {lb.layer: (ets, lb) for ets, lb in plan.layers}
+    try:
+        with open(out, "wb") as f:
+            while True:
+                item = q.get()
+                if item is None:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                layer, e, raws = item
+                ets, lb = by_layer[layer]
+                buf = bytearray(lb.block_nbytes)
+                for et, rec, raw in zip(ets, lb.tensors, raws):
+                    src_hash[(layer, et.kind)].update(raw)
+                    if quants.CODECS[rec.codec].byte_exact:
+                        p = rec.parts[0]
+                        buf[p.offset:p.offset + p.nbytes] = raw
+                    else:
+                        for a, p in zip(_encode(rec, raw, et.qtype, et.shape), rec.parts):
+                            buf[p.offset:p.offset + p.nbytes] = memoryview(np.ascontiguousarray(a)).cast("B")
+                    prog.update(len(raw))
+                digests[layer].append(digest(buf))
+                f.seek(lb.offsets[e])
+                f.write(buf)
+            f.truncate(max(plan.experts_bytes, 1))
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        stop.set()
+        th.join()
+    layers = [LayerBlocks(lb.layer, lb.block_nbytes, lb.tensors, lb.offsets, tuple(digests[lb.layer]))
+              for _, lb in plan.layers]
+    return layers, [src_hash[k].hexdigest() for k in sorted(src_hash)]
+
+
+def _tokenizer(src: Source, tmp: Path) -> dict:
+    if src.kind == "gguf":
+        tok = {k: v for k, v in src.metadata.items() if k.startswith("tokenizer.")}
+        (tmp / "tokenizer.gguf.json").write_text(json.dumps(tok))
+        return {"kind": "gguf", "files": ["tokenizer.gguf.json"]}
+    for f in src.extra_files:
+        shutil.copyfile(f, tmp / f.name)
+    return {"kind": "hf", "files": [f.name for f in src.extra_files]}
+
+
+def pack(source: str | os.PathLike, out: str | os.PathLike, *, alignment: int = 65536,
+         layout: str = "fast", force: bool = False, progress: bool = True) -> Manifest:
+    out = Path(out)
+    if out.exists() and not force:
+        raise PackExists(f"{out} exists; pass --force to replace it")
+    src = open_source(source)
+    plan = plan_pack(src, alignment, layout)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    files = _Files(src.files)
+    total = sum(t.nbytes for t, _ in plan.common) + sum(
+        et.expert_nbytes * len(et.pieces) for ets, _ in plan.layers for et in ets)
+    prog = _Progress(total, progress)
+    try:
+        meta_hash = xxhash.xxh3_128(json.dumps(src.metadata, sort_keys=True, default=str).encode())
+        common_hasher = xxhash.xxh3_128()
+        common_digests = _write_common(plan, files, tmp / COMMON, common_hasher, prog)
+        layers, expert_src = _write_experts(plan, files, tmp / EXPERTS, prog)
+        index = ExpertIndex(alignment, tuple(layers))
+        (tmp / INDEX).write_text(index.to_json())
+        tok = _tokenizer(src, tmp)
+        source_digest = xxhash.xxh3_128_hexdigest(
+            (meta_hash.hexdigest() + common_hasher.hexdigest() + "".join(expert_src)).encode())
+        manifest = _manifest(src, plan, index, common_digests, tok, source_digest, alignment, layout)
+        (tmp / MANIFEST).write_text(manifest.to_json())
+        _fsync_dir(tmp)
+        _replace(tmp, out)
+        return manifest
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise MawError(f"disk full while writing {out}; nothing was left behind") from None
+        raise
+    finally:
+        prog.close()
+        files.close()
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _manifest(src, plan, index, common_digests, tok, source_digest, alignment, layout) -> Manifest:
+    common = tuple(rec for _, rec in plan.common)
+    transforms: dict[tuple[str, str], int] = {}
+    for rec in common + tuple(t for lb in index.layers for t in lb.tensors):
+        if not quants.CODECS[rec.codec].byte_exact:
+            transforms[(rec.qtype, rec.codec)] = transforms.get((rec.qtype, rec.codec), 0) + 1
+    tf = tuple({"from": q, "to": c, "tensors": n, "note": quants.CODECS[c].describe()}
+               for (q, c), n in sorted(transforms.items()))
+    emb = next((rec.nbytes for rec in common if rec.name == EMBEDDING), 0)
+    totals = {"common": sum(r.nbytes for r in common), "embedding": emb,
+              "experts": index.total_bytes(), "expert_block_by_layer": index.block_bytes(),
+              "expert_blocks": sum(len(lb.offsets) for lb in index.layers),
+              "common_file": plan.common_bytes, "experts_file": plan.experts_bytes}
+    pd = xxhash.xxh3_128()
+    pd.update(json.dumps(src.config.to_dict(), sort_keys=True).encode())
+    pd.update(json.dumps(common_digests, sort_keys=True).encode())
+    for lb in index.layers:
+        pd.update("".join(lb.digests).encode())
+    pd.update(json.dumps([t.to_dict() for t in common]).encode())
+    ident = dict(src.identity(), digest=source_digest, digest_kind="xxh3-128 over metadata and every tensor's bytes")
+    return Manifest(src.config, ident, pd.hexdigest(), alignment, layout, tf, totals, common,
+                    common_digests, {**tok, "created_by": f"mawforge {__version__}"})
+
+
+def _fsync_dir(d: Path) -> None:
+    for f in d.iterdir():
+        with open(f, "rb+") as fh:
+            os.fsync(fh.fileno())
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.rename(out, old)
+    os.rename(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
