@@ -38,6 +38,18 @@ TRANSCODE_COMMON_MAX = 64 << 20
 EMBEDDING = "token_embd.weight"    # row-gathered (and optionally streamed): always byte-exact
 
 
+BYTE_EXACT = frozenset({"f32", "f16", "bf16", "ggml"})
+_TRANSFORM_NOTES = {
+    "int4_g32": "4-bit values regrouped into torch's CPU int4pack layout (groups of 32) with bf16 "
+                "scale and zero per group: scale = d*sc, zero = 8*d*sc - dmin*m (Q4_K); values equal "
+                "the source up to bf16 rounding of scale and zero",
+}
+
+
+def _byte_exact(codec: str) -> bool:
+    return codec in BYTE_EXACT
+
+
 def _round_up(n: int, a: int) -> int:
     return -(-n // a) * a
 
@@ -79,7 +91,7 @@ def plan_pack(src: Source, alignment: int, layout: str) -> _Plan:
         t = src.common[name]
         big = t.nbytes > TRANSCODE_COMMON_MAX
         mode = "exact" if (name == EMBEDDING or big or len(t.shape) == 1) else layout
-        codec = quants.choose_codec(t.qtype, mode)
+        codec = quants.choose_codec(t.qtype, mode, _as2d(t.shape))
         rec, end = _place(codec, t.qtype, t.shape, _round_up(off, COMMON_ALIGN), COMMON_ALIGN, name)
         common.append((t, rec))
         off = end
@@ -88,7 +100,7 @@ def plan_pack(src: Source, alignment: int, layout: str) -> _Plan:
         ets = [src.experts[(layer, k)] for k in src.expert_kinds(layer)]
         recs, end = [], 0
         for et in ets:
-            rec, end = _place(quants.choose_codec(et.qtype, layout), et.qtype, et.shape, end,
+            rec, end = _place(quants.choose_codec(et.qtype, layout, et.shape), et.qtype, et.shape, end,
                               PART_ALIGN, et.kind)
             recs.append(rec)
         stride = _round_up(end, alignment)
@@ -138,7 +150,7 @@ class _Files:
 
 
 def _encode(rec: TensorRecord, raw: bytes, qtype, shape) -> list[np.ndarray]:
-    codec = quants.CODECS[rec.codec]
+    codec = quants.get_codec(rec.codec)
     arrays = codec.encode(np.frombuffer(raw, dtype=np.uint8), qtype, _as2d(shape))
     for a, p in zip(arrays, rec.parts):
         if a.nbytes != p.nbytes:
@@ -152,8 +164,8 @@ def _write_common(plan: _Plan, files: _Files, out: Path, hasher, prog: _Progress
         for t, rec in plan.common:
             h = xxhash.xxh3_128()
             f.seek(rec.parts[0].offset)
-            codec = quants.CODECS[rec.codec]
-            if codec.byte_exact:
+            codec = quants.get_codec(rec.codec)
+            if _byte_exact(rec.codec):
                 for pos in range(0, t.nbytes, CHUNK):
                     b = files.pread(t.path, t.offset + pos, min(CHUNK, t.nbytes - pos))
                     hasher.update(b)
@@ -216,7 +228,7 @@ def _write_experts(plan: _Plan, files: _Files, out: Path, prog: _Progress) -> tu
                 buf = bytearray(lb.block_nbytes)
                 for et, rec, raw in zip(ets, lb.tensors, raws):
                     src_hash[(layer, et.kind)].update(raw)
-                    if quants.CODECS[rec.codec].byte_exact:
+                    if _byte_exact(rec.codec):
                         p = rec.parts[0]
                         buf[p.offset:p.offset + p.nbytes] = raw
                     else:
@@ -293,9 +305,9 @@ def _manifest(src, plan, index, common_digests, tok, source_digest, alignment, l
     common = tuple(rec for _, rec in plan.common)
     transforms: dict[tuple[str, str], int] = {}
     for rec in common + tuple(t for lb in index.layers for t in lb.tensors):
-        if not quants.CODECS[rec.codec].byte_exact:
+        if not _byte_exact(rec.codec):
             transforms[(rec.qtype, rec.codec)] = transforms.get((rec.qtype, rec.codec), 0) + 1
-    tf = tuple({"from": q, "to": c, "tensors": n, "note": quants.CODECS[c].describe()}
+    tf = tuple({"from": q, "to": c, "tensors": n, "note": _TRANSFORM_NOTES.get(c.split("_avx")[0], c)}
                for (q, c), n in sorted(transforms.items()))
     emb = next((rec.nbytes for rec in common if rec.name == EMBEDDING), 0)
     totals = {"common": sum(r.nbytes for r in common), "embedding": emb,

@@ -1,0 +1,169 @@
+"""The live expert cache: slot storage mirroring the torch-free CacheCore's decisions.
+
+Every hit/miss/evict decision is made by `RouteDriver`/`CacheCore` (shared with replay);
+this class only frees the storage of evicted blocks, reads misses from the ExpertStore into
+page-aligned slots, and computes each expert on its tokens. Slots are recycled by size class
+(blocks differ in size by layer), and the bytes held never exceed the budget.
+
+Legend: T tokens, C hidden, k experts per token.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from mawforge.cache.core import CacheCore, RouteDriver, check_capacity
+from mawforge.cache.policies import make_policy, make_prefetcher
+from mawforge.cache.store import ExpertStore, aligned_buffer, round_page
+from mawforge.formats import quants
+from mawforge.models.base import swiglu_expert
+from mawforge.pack.manifest import ExpertIndex
+
+Key = tuple[int, int]
+
+
+class _Slot:
+    __slots__ = ("mm", "host", "dev", "size", "weights")
+
+    def __init__(self, size: int, device: torch.device):
+        self.size = size
+        self.mm, self.host = aligned_buffer(size)
+        self.dev = self.host if device.type == "cpu" else torch.empty(size, dtype=torch.uint8, device=device)
+        self.weights: dict[str, quants.PackedWeight] = {}
+
+
+class ExpertCache:
+    def __init__(self, store: ExpertStore, index: ExpertIndex, capacity_bytes: int, top_k: int,
+                 device: torch.device, policy: str = "lru", prefetch: str | None = None, recorder=None):
+        self.store, self.index, self.device, self.recorder = store, index, device, recorder
+        self.slot_bytes = [round_page(lb.block_nbytes) for lb in index.layers]
+        self.minimum = check_capacity(capacity_bytes, self.slot_bytes, top_k)
+        self.capacity = capacity_bytes
+        self.core = CacheCore(capacity_bytes, make_policy(policy))
+        self.driver = RouteDriver(self.core, self.block_bytes, make_prefetcher(prefetch))
+        self.slots: dict[Key, _Slot] = {}
+        self.free: dict[int, list[_Slot]] = {}
+        self.held = 0                       # bytes of all slots, in use or free
+        self.peak_held = 0
+        self.pending: dict[Key, Future] = {}
+        self._templates = [[(t.name, t.codec, QT[t.qtype], tuple(t.shape),
+                             [p.offset for p in t.parts],
+                             [quants.PartSpec(p.name, p.dtype, p.shape) for p in t.parts])
+                            for t in lb.tensors] for lb in index.layers]
+
+    # ---- accounting shared with replay -----------------------------------------------
+    def block_bytes(self, layer: int, expert: int) -> int:
+        return self.slot_bytes[layer]
+
+    def begin_step(self, kind: str, n_tokens: int) -> None:
+        if self.recorder is not None:
+            self.recorder.begin_step(kind, n_tokens)
+        self._run_prefetch(self.driver.begin_step(kind, n_tokens))
+
+    def end_step(self) -> None:
+        self._run_prefetch(self.driver.end_step())
+
+    # ---- storage ---------------------------------------------------------------------
+    def _release(self, key: Key) -> None:
+        fut = self.pending.pop(key, None)
+        if fut is not None:
+            fut.result()
+        slot = self.slots.pop(key)
+        slot.weights = {}
+        self.free.setdefault(slot.size, []).append(slot)
+
+    def _take(self, size: int) -> _Slot:
+        pool = self.free.get(size)
+        if pool:
+            return pool.pop()
+        while self.held + size > self.capacity:
+            # free slots of other size classes give their bytes back
+            other = next((s for s in self.free if self.free[s]), None)
+            if other is None:
+                raise AssertionError("expert cache storage would exceed its budget")
+            self.free[other].pop().mm.close()
+            self.held -= other
+        self.held += size
+        self.peak_held = max(self.peak_held, self.held)
+        assert self.held <= self.capacity, "expert cache holds more than its budget"
+        return _Slot(size, self.device)
+
+    def _bind(self, key: Key, slot: _Slot) -> None:
+        layer = key[0]
+        if slot.dev is not slot.host:
+            slot.dev.copy_(slot.host, non_blocking=False)
+        slot.weights = {name: quants.get_codec(codec).view(slot.dev, offs, specs, qt, shape)
+                        for name, codec, qt, shape, offs, specs in self._templates[layer]}
+        self.slots[key] = slot
+
+    def _load(self, keys: tuple[Key, ...], asynchronous: bool = False) -> None:
+        jobs = []
+        for key in keys:
+            slot = self._take(self.slot_bytes[key[0]])
+            self.slots[key] = slot
+            jobs.append((key, slot))
+        if asynchronous:
+            for key, slot in jobs:
+                self.pending[key] = self.store.pool.submit(self._read_bind, key, slot)
+        else:
+            self.store.read_many([(k[0], k[1], s.mm) for k, s in jobs])
+            for key, slot in jobs:
+                self._bind(key, slot)
+
+    def _read_bind(self, key: Key, slot: _Slot) -> None:
+        self.store.read_into(key[0], key[1], slot.mm)
+        self._bind(key, slot)
+
+    def _ready(self, key: Key) -> _Slot:
+        fut = self.pending.pop(key, None)
+        if fut is not None:
+            fut.result()
+        return self.slots[key]
+
+    def _run_prefetch(self, plan) -> None:
+        if not plan:
+            return
+        for key in plan.evicted:
+            self._release(key)
+        if plan.loads:
+            self._load(plan.loads, asynchronous=True)
+
+    # ---- the call the model makes ----------------------------------------------------
+    def __call__(self, layer: int, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [T, C], idx/w [T, k] -> [T, C]: the weighted sum of each token's routed experts."""
+        idx_np = idx.cpu().numpy()
+        w_np = w.float().cpu().numpy()
+        if self.recorder is not None:
+            self.recorder.record(layer, idx_np, w_np)
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        for group in self.driver.layer(layer, idx_np, w_np):
+            for key in group.evicted:
+                self._release(key)
+            if group.misses:
+                self._load(group.misses)
+            for key in group.keys:
+                tok, slot_k = np.nonzero(idx_np == key[1])
+                t = torch.from_numpy(tok).to(x.device)
+                y = swiglu_expert(x.index_select(0, t), self._ready(key).weights)      # [n, C]
+                y = y * w.index_select(0, t).gather(1, torch.from_numpy(slot_k).to(x.device)[:, None]).float()
+                out.index_add_(0, t, y)
+        self._run_prefetch(self.driver.after_layer(layer))
+        return out
+
+    def lookahead(self, keys: list[Key]) -> None:
+        """Live-only prefetch (e.g. next-layer router lookahead), through the same budget."""
+        self._run_prefetch(self.driver.prefetch(keys))
+
+    def stats(self) -> dict:
+        s = self.core.stats().to_dict()
+        s.update(capacity_bytes=self.capacity, held_bytes=self.held, peak_held_bytes=self.peak_held,
+                 minimum_bytes=self.minimum)
+        return s
+
+    def close(self) -> None:
+        for fut in self.pending.values():
+            fut.result()
+        self.pending.clear()

@@ -1,0 +1,126 @@
+"""The one generation path: a streaming generator that the CLI, the server and the bench consume.
+
+    for ev in generate(rt, prompt_ids, params):   # Event(token, text, finish_reason, telemetry)
+        ...
+The last event has finish_reason set ("stop" or "length") and the request's telemetry.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from mawforge.engine.runtime import Runtime
+from mawforge.engine.sampling import Sampler, SamplingParams
+from mawforge.engine.tokenizer import Detokenizer
+from mawforge.errors import RequestError
+from mawforge.telemetry import Telemetry, peak_rss_bytes, rss_bytes
+
+
+@dataclass
+class Event:
+    token: int | None
+    text: str
+    finish_reason: str | None = None
+    telemetry: Telemetry | None = None
+
+
+class _StopScanner:
+    """Holds back text that could be the start of a stop string; cuts at the first match."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops, self.pending = [s for s in stops if s], ""
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        self.pending += delta
+        for s in self.stops:
+            i = self.pending.find(s)
+            if i >= 0:
+                out, self.pending = self.pending[:i], ""
+                return out, True
+        keep = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:n]):
+                    keep = max(keep, n)
+                    break
+        out = self.pending[:len(self.pending) - keep]
+        self.pending = self.pending[len(self.pending) - keep:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def validate(rt: Runtime, prompt: list[int], params: SamplingParams) -> None:
+    if not prompt:
+        raise RequestError("the prompt is empty")
+    if len(prompt) >= rt.opts.context:
+        raise RequestError(f"the prompt has {len(prompt)} tokens; the context is {rt.opts.context} "
+                           f"(at least one position must be left to generate)")
+    vocab = rt.cfg.vocab
+    for t in params.stop_token_ids:
+        if not 0 <= t < vocab:
+            raise RequestError(f"stop token id {t} is outside the vocabulary of {vocab}")
+
+
+def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
+             cancelled: Callable[[], bool] = lambda: False) -> Iterator[Event]:
+    validate(rt, prompt, params)
+    sampler, detok, scan = Sampler(params), Detokenizer(rt.tokenizer), _StopScanner(params.stop)
+    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else rt.tokenizer.eos_ids)
+    before = rt.cache.stats()
+    emb_before = rt.weights.embedding_bytes_read
+    t0 = time.perf_counter()
+    rt.reset()
+    logits = rt.forward(prompt)[-1]
+    n, reason, t_first = 0, None, None
+    while True:
+        tok = sampler.sample(logits)
+        n += 1
+        if t_first is None:
+            t_first = time.perf_counter()
+        if tok in stop_ids:
+            reason = "stop"
+            text = scan.flush()
+        else:
+            text, hit = scan.feed(detok.push(tok))
+            if hit:
+                reason = "stop"
+        if reason is None and n >= params.max_tokens:
+            reason = "length"
+        if reason is None and rt.kv.pos + 1 > rt.opts.context:
+            reason = "length"
+        if reason is None and cancelled():
+            reason = "cancelled"
+        if reason is not None:
+            if reason == "length":
+                text += scan.flush()
+            yield Event(tok, text, reason, _telemetry(rt, len(prompt), n, t0, t_first, before, emb_before, reason))
+            return
+        yield Event(tok, text)
+        logits = rt.forward([tok], kind="decode")[-1]
+
+
+def _telemetry(rt: Runtime, n_prompt: int, n_out: int, t0: float, t_first: float, before: dict,
+               emb_before: int, reason: str) -> Telemetry:
+    end = time.perf_counter()
+    s = rt.cache.stats()
+    d = lambda k: s[k] - before[k]
+    hits, misses = d("hits"), d("misses")
+    decode_s = end - t_first
+    p = rt.plan
+    return Telemetry(
+        prompt_tokens=n_prompt, completion_tokens=n_out, ttft_s=t_first - t0, prefill_s=t_first - t0,
+        decode_s=decode_s, decode_tok_s=(n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else 0.0,
+        total_s=end - t0, hits=hits, misses=misses,
+        hit_rate=hits / (hits + misses) if hits + misses else 0.0, evictions=d("evictions"),
+        materialized_bytes=d("materialized_bytes"), prefetched_bytes=d("prefetch_issued_bytes"),
+        prefetch_useful_bytes=d("prefetch_useful_bytes"), prefetch_wasted_bytes=d("prefetch_wasted_bytes"),
+        expert_cache_bytes=p.E, expert_cache_held_bytes=s["held_bytes"], kv_cache_bytes=rt.kv.nbytes,
+        resident_common_bytes=rt.weights.resident_bytes,
+        embedding_bytes_read=rt.weights.embedding_bytes_read - emb_before,
+        rss_bytes=rss_bytes(), peak_rss_bytes=peak_rss_bytes(), budget_bytes=p.budget_bytes,
+        budget_source=f"{p.budget_source}; cache: {p.cache_source}", planned_footprint_bytes=p.F,
+        cache_policy=rt.opts.policy, pack_digest=rt.manifest.pack_digest, finish_reason=reason)

@@ -1,0 +1,86 @@
+"""`mawforge run`: one generation from a pack under a budget; streams text, then telemetry."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mawforge.plan import add_budget_arguments
+
+help = "generate once from a pack under a memory budget, with telemetry"
+
+
+def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pack", required=True)
+    add_budget_arguments(p)
+    p.add_argument("--policy", default="lru", help="expert cache eviction policy: lru, lfu, fifo, random:SEED, s3fifo")
+    p.add_argument("--prefetch", default=None, help="prefetch policy, e.g. confidence:0.2 (default none)")
+    p.add_argument("--lookahead", action="store_true", help="prefetch next layer's experts by router lookahead")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch compute threads")
+    p.add_argument("--prefill-chunk", type=int, default=128)
+    p.add_argument("--no-direct-io", action="store_true", help="buffered reads instead of O_DIRECT")
+    p.add_argument("--trace-out", default=None, help="write the route trace (.npz) here")
+
+
+def runtime_options(a: argparse.Namespace):
+    from mawforge.engine.runtime import RuntimeOptions
+    return RuntimeOptions(context=a.context, memory_budget_gib=a.memory_budget_gib,
+                          expert_cache_percent=a.expert_cache_percent, expert_cache_gib=a.expert_cache_gib,
+                          policy=a.policy, prefetch=a.prefetch, device=a.device,
+                          stream_embeddings=a.stream_embeddings, kv_dtype=a.kv_dtype,
+                          direct_io=not a.no_direct_io, prefill_chunk=a.prefill_chunk, threads=a.threads,
+                          lookahead=a.lookahead)
+
+
+def make_recorder(a: argparse.Namespace):
+    if not a.trace_out:
+        return None
+    from mawforge.pack.manifest import read_index, read_manifest
+    from mawforge.trace.record import TraceRecorder
+    from mawforge.cache.store import round_page
+    man, index = read_manifest(a.pack), read_index(a.pack)
+    c = man.config
+    return TraceRecorder(n_layers=c.n_layers, n_experts=c.n_experts, top_k=c.top_k,
+                         block_bytes=[round_page(lb.block_nbytes) for lb in index.layers],
+                         model=c.arch, pack_digest=man.pack_digest)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_runtime_arguments(p)
+    p.add_argument("prompt")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--telemetry-json", action="store_true", help="print telemetry as JSON")
+
+
+def main(a: argparse.Namespace) -> int:
+    from mawforge.engine.generate import generate
+    from mawforge.engine.runtime import Runtime
+    from mawforge.engine.sampling import SamplingParams
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                            min_p=a.min_p, seed=a.seed, stop=tuple(a.stop), ignore_eos=a.ignore_eos)
+    recorder = make_recorder(a)
+    rt = Runtime(a.pack, runtime_options(a), recorder=recorder)
+    try:
+        text = rt.tokenizer.chat.render([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
+        ids = rt.tokenizer.encode(text)
+        for ev in generate(rt, ids, params):
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+            if ev.telemetry is not None:
+                print()
+                t = ev.telemetry
+                print(json.dumps(t.to_dict()) if a.telemetry_json else t.line(), file=sys.stderr)
+    finally:
+        rt.close()
+        if recorder is not None:
+            recorder.save(a.trace_out)
+    return 0

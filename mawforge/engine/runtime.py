@@ -1,0 +1,110 @@
+"""Runtime: a pack loaded under a byte budget — resident common tensors, the expert cache,
+the KV cache, the model and the tokenizer — behind one `forward` that the generator uses."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mawforge.cache.expert_cache import ExpertCache
+from mawforge.cache.store import ExpertStore
+from mawforge.engine.kv import KVCache
+from mawforge.engine.tokenizer import load_tokenizer
+from mawforge.engine.weights import CommonWeights
+from mawforge.errors import BudgetRejected, FormatError, RequestError
+from mawforge.models import model_class
+from mawforge.pack.manifest import read_index, read_manifest
+from mawforge.plan import PackFacts, make_plan
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    context: int = 4096
+    memory_budget_gib: float | None = None
+    expert_cache_percent: float | None = None
+    expert_cache_gib: float | None = None
+    policy: str = "lru"
+    prefetch: str | None = None
+    device: str = "cpu"
+    stream_embeddings: bool = False
+    kv_dtype: str | None = None
+    direct_io: bool = True
+    check_digests: bool = True
+    io_threads: int = 4
+    prefill_chunk: int = 128
+    threads: int | None = None
+    lookahead: bool = False            # next-layer router lookahead prefetch (live only)
+
+    def __post_init__(self) -> None:
+        if self.prefill_chunk < 1:
+            raise FormatError(f"prefill chunk must be positive, got {self.prefill_chunk}")
+
+
+class Runtime:
+    def __init__(self, pack: str | Path, opts: RuntimeOptions = RuntimeOptions(), recorder=None):
+        self.pack, self.opts = Path(pack), opts
+        if opts.threads:
+            torch.set_num_threads(opts.threads)
+        self.device = torch.device(opts.device)
+        self.manifest, self.index = read_manifest(self.pack), read_index(self.pack)
+        self.cfg = self.manifest.config
+        self.facts = PackFacts.from_pack(self.pack)
+        self.plan = make_plan(self.facts, memory_budget_gib=opts.memory_budget_gib, context=opts.context,
+                              expert_cache_percent=opts.expert_cache_percent,
+                              expert_cache_gib=opts.expert_cache_gib, stream_embeddings=opts.stream_embeddings,
+                              kv_dtype=opts.kv_dtype, prefill_chunk=opts.prefill_chunk)
+        if not self.plan.feasible:
+            raise BudgetRejected(f"plan rejected: {self.plan.reason}")
+        if opts.stream_embeddings and self.cfg.tie_embeddings:
+            raise FormatError("--stream-embeddings needs a separate output head; this model ties it to the embeddings")
+        self.tokenizer = load_tokenizer(self.pack, self.manifest.tokenizer)
+        self.weights = CommonWeights(self.pack, self.manifest, self.device, opts.stream_embeddings,
+                                     opts.check_digests)
+        self.store = ExpertStore(self.pack, self.index, direct=opts.direct_io,
+                                 check_digests=opts.check_digests, threads=opts.io_threads)
+        self.recorder = recorder
+        self.cache = ExpertCache(self.store, self.index, self.plan.E, self.cfg.top_k, self.device,
+                                 opts.policy, opts.prefetch, recorder)
+        self.kv = KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim, opts.context,
+                          getattr(torch, self.plan.kv_dtype), self.device)
+        self.model = model_class(self.cfg.arch)(self.cfg, self.weights, self.cache, self.device)
+        if opts.lookahead:
+            self.model.router_hook = self._lookahead
+
+    def _lookahead(self, layer: int, x: torch.Tensor) -> None:
+        """Apply layer+1's router to layer's FFN input and prefetch what it would pick."""
+        nxt = layer + 1
+        if nxt >= self.cfg.n_layers:
+            return
+        idx, _ = self.model.route(nxt, x)
+        self.cache.lookahead([(nxt, int(e)) for e in torch.unique(idx).tolist()])
+
+    def reset(self) -> None:
+        self.kv.truncate(0)
+
+    def forward(self, tokens: list[int], all_logits: bool = False, kind: str | None = None) -> torch.Tensor:
+        """Run tokens at the next positions, in chunks; logits of the last token ([1, V]) or all ([T, V])."""
+        if not tokens:
+            raise RequestError("nothing to run: empty token list")
+        self.kv.check_room(len(tokens))
+        bad = [t for t in tokens if not 0 <= t < self.cfg.vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary of {self.cfg.vocab}")
+        outs = []
+        step = self.opts.prefill_chunk
+        with torch.inference_mode():
+            for i in range(0, len(tokens), step):
+                chunk = tokens[i:i + step]
+                self.cache.begin_step(kind or ("prefill" if len(chunk) > 1 else "decode"), len(chunk))
+                t = torch.tensor(chunk, dtype=torch.long, device=self.device)
+                logits = self.model.forward(t, self.kv.pos, self.kv, all_logits=all_logits)
+                self.kv.commit(len(chunk))
+                self.cache.end_step()
+                outs.append(logits)
+        return torch.cat(outs) if all_logits else outs[-1]
+
+    def close(self) -> None:
+        self.cache.close()
+        self.store.close()
+        self.weights.close()

@@ -1,0 +1,79 @@
+"""Sampling: greedy, temperature, top-k, top-p, min-p, with a seeded generator per request."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mawforge.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 96
+    temperature: float = 0.0        # 0 = greedy
+    top_k: int = 0                  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 5.0:
+            raise RequestError(f"temperature must be in [0, 5], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise RequestError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@dataclass
+class Sampler:
+    params: SamplingParams
+    gen: torch.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.gen = torch.Generator()
+        self.gen.manual_seed(self.params.seed if self.params.seed is not None else torch.seed())
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature == 0.0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution actually sampled from, after every filter. logits [V] -> [V] f32."""
+        p = self.params
+        x = logits.float().cpu()
+        if self.greedy:
+            out = torch.zeros_like(x)
+            out[int(torch.argmax(x))] = 1.0
+            return out
+        x = x / p.temperature
+        if p.top_k:
+            kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        if p.min_p > 0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        if p.top_p < 1.0:
+            sp, si = torch.sort(probs, descending=True)
+            keep = (sp.cumsum(0) - sp) < p.top_p      # keep the smallest prefix reaching top_p
+            probs = torch.zeros_like(probs).scatter(0, si, sp * keep)
+        return probs / probs.sum()
+
+    def sample(self, logits: torch.Tensor) -> int:
+        if self.greedy:
+            return int(torch.argmax(logits))
+        return int(torch.multinomial(self.probs(logits), 1, generator=self.gen))
+
+    def draw(self, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs, 1, generator=self.gen))
+
+    def uniform(self) -> float:
+        return float(torch.rand(1, generator=self.gen))

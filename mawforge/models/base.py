@@ -1,0 +1,133 @@
+"""Shared blocks: RMSNorm, RoPE (both layouts), grouped-query attention over a KV cache,
+routing, and the decoder loop every MoE architecture file builds on.
+
+Legend: T tokens in the chunk, C hidden, H query heads, G kv heads, D head dim,
+S cached positions, E experts, k experts per token, V vocab.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from mawforge.formats.config import ModelConfig
+from mawforge.kernels import linear
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+class Rope:
+    """Rotary embedding; "neox" rotates halves, "norm" rotates interleaved pairs."""
+
+    def __init__(self, head_dim: int, base: float, layout: str, device: torch.device):
+        self.layout, self.half = layout, head_dim // 2
+        self.inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:   # x [T, H, D], pos [T]
+        ang = (pos.to(torch.float64)[:, None] * self.inv_freq[None]).float()   # [T, D/2]
+        cos, sin = ang.cos()[:, None], ang.sin()[:, None]                       # [T, 1, D/2]
+        if self.layout == "neox":
+            x1, x2 = x[..., :self.half], x[..., self.half:]
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+def route_softmax_topk(logits: torch.Tensor, k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over all experts, top-k, optional renormalization. logits [T, E] -> idx, w [T, k]."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    w, idx = torch.topk(probs, k, dim=-1)
+    if renorm:
+        w = w / w.sum(-1, keepdim=True)
+    return idx, w
+
+
+class MoETransformer:
+    """The decoder loop. An architecture file subclasses it with `arch=` and overrides the
+    hooks that differ: qk normalization, routing, and what runs beside the routed experts."""
+
+    registry: ClassVar[dict[str, type["MoETransformer"]]] = {}
+
+    def __init_subclass__(cls, arch: str | None = None, **kw):
+        super().__init_subclass__(**kw)
+        if arch:
+            MoETransformer.registry[arch] = cls
+
+    def __init__(self, cfg: ModelConfig, weights, experts, device: torch.device):
+        self.cfg, self.w, self.experts, self.device = cfg, weights, experts, device
+        self.rope = Rope(cfg.head_dim, cfg.rope_base, cfg.rope_layout, device)
+        self.scale = cfg.head_dim ** -0.5
+        self.router_hook = None    # set by the runtime for next-layer lookahead prefetch
+
+    # ---- hooks -------------------------------------------------------------------------
+    def qk_norm(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+    def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = h @ self.w.dense(f"blk.{layer}.ffn_gate_inp.weight").T           # [T, E]
+        return route_softmax_topk(logits, self.cfg.top_k, self.cfg.norm_topk_prob)
+
+    def beside_experts(self, layer: int, h: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    # ---- blocks ------------------------------------------------------------------------
+    def proj(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        y = linear(x, self.w.packed(name))
+        b = self.w.maybe_dense(name.replace(".weight", ".bias"))
+        return y if b is None else y + b
+
+    def attention(self, layer: int, x: torch.Tensor, pos: torch.Tensor, kv) -> torch.Tensor:
+        cfg, T = self.cfg, x.shape[0]
+        H, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        p = f"blk.{layer}."
+        q = self.proj(p + "attn_q.weight", x).float()                             # [T, H*D]
+        k = self.proj(p + "attn_k.weight", x).float()                             # [T, G*D]
+        v = self.proj(p + "attn_v.weight", x).float()
+        q, k = self.qk_norm(layer, q, k)
+        q = self.rope(q.view(T, H, D), pos)
+        k = self.rope(k.view(T, G, D), pos)
+        keys, vals = kv.append(layer, k, v.view(T, G, D))                          # [G, S, D]
+        S = keys.shape[1]
+        qg = q.view(T, G, H // G, D).permute(1, 2, 0, 3).reshape(G, H // G * T, D)
+        scores = torch.bmm(qg.to(keys.dtype), keys.transpose(1, 2)).float() * self.scale   # [G, H/G*T, S]
+        p0 = S - T
+        mask = torch.arange(S, device=x.device)[None] > (p0 + torch.arange(T, device=x.device))[:, None]  # [T, S]
+        scores = scores.view(G, H // G, T, S).masked_fill(mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(G, H // G * T, S)
+        out = torch.bmm(probs.to(vals.dtype), vals).float()                        # [G, H/G*T, D]
+        out = out.view(G, H // G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)
+        return self.proj(p + "attn_output.weight", out)
+
+    def ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        idx, wts = self.route(layer, x)                                           # [T, k]
+        y = self.experts(layer, x, idx, wts)
+        extra = self.beside_experts(layer, x)
+        return y if extra is None else y + extra
+
+    def forward(self, tokens: torch.Tensor, pos0: int, kv, all_logits: bool = False) -> torch.Tensor:
+        """tokens [T] -> logits [T, V] (or [1, V] for the last position)."""
+        cfg = self.cfg
+        pos = torch.arange(pos0, pos0 + tokens.shape[0], device=self.device)
+        h = self.w.embed(tokens)                                                  # [T, C] f32
+        for layer in range(cfg.n_layers):
+            p = f"blk.{layer}."
+            h = h + self.attention(layer, rms_norm(h, self.w.dense(p + "attn_norm.weight"), cfg.norm_eps), pos, kv)
+            x = rms_norm(h, self.w.dense(p + "ffn_norm.weight"), cfg.norm_eps)
+            if self.router_hook is not None:
+                self.router_hook(layer, x)
+            h = h + self.ffn(layer, x)
+        h = rms_norm(h if all_logits else h[-1:], self.w.dense("output_norm.weight"), cfg.norm_eps)
+        return linear(h, self.w.head()).float()                                   # [T, V]
+
+
+def swiglu_expert(x: torch.Tensor, parts: dict) -> torch.Tensor:
+    """One expert on its tokens. parts: kind -> PackedWeight (gate, up, down or gate_up, down)."""
+    if "gate_up" in parts:
+        gu = linear(x, parts["gate_up"])
+        g, u = gu.chunk(2, dim=-1)
+    else:
+        g, u = linear(x, parts["gate"]), linear(x, parts["up"])
+    return linear(torch.nn.functional.silu(g.float()) * u.float(), parts["down"]).float()

@@ -1,0 +1,209 @@
+"""The budget model (MawForge paper §IV-D): L(p, n) = C + E(p) + K(n), F = L + O. No torch.
+
+C  resident common bytes: common.bin as loaded (less the embedding table when streamed) plus
+   the float32 copies of norms, routers and biases the runtime keeps.
+E  expert-cache bytes: p percent of all routed expert bytes (page-rounded slots), or absolute.
+K  KV-cache bytes at context n: 2 * layers * kv_heads * head_dim * n * dtype size.
+O  runtime overhead: the framework's own resident memory (FRAMEWORK_BYTES, measured for
+   torch 2.13 CPU + MawForge + numpy after import), the largest activation working set of a
+   prefill chunk (attention scores over the full context included), the logits row, and the
+   dequantization tiles of the kernels.
+A configuration is REJECTED when L exceeds the budget or when E is below one layer's top-k
+working set; rejection is a result (exit code 4 at the CLI), not an error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from mawforge.errors import BudgetRejected, FormatError
+from mawforge.pack.manifest import read_index, read_manifest
+
+GiB = 1 << 30
+PAGE = 4096
+FRAMEWORK_BYTES = 420 << 20          # RSS of `import torch, mawforge` plus allocator slack (measured)
+DEQUANT_TILE_BYTES = 3 * (1 << 18) * 4
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DENSE_SUFFIXES = ("_norm.weight", ".bias", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+
+
+def _round_page(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+@dataclass(frozen=True)
+class PackFacts:
+    """What the planner needs from a pack, read from manifest.json and experts.index."""
+    arch: str
+    n_layers: int
+    n_experts: int
+    top_k: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab: int
+    expert_ff: int
+    common_file_bytes: int
+    embedding_bytes: int
+    dense_copy_bytes: int
+    slot_bytes: tuple[int, ...]        # per layer, page-rounded block size
+    all_dense_f32: bool
+    pack_digest: str
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(s * self.n_experts for s in self.slot_bytes)
+
+    @property
+    def min_cache_bytes(self) -> int:
+        return max(self.slot_bytes) * self.top_k
+
+    @classmethod
+    def from_pack(cls, pack: str | Path) -> "PackFacts":
+        man, index = read_manifest(Path(pack)), read_index(Path(pack))
+        c = man.config
+        dense = 0
+        for r in man.common:
+            if r.name.endswith(_DENSE_SUFFIXES):
+                n = 1
+                for s in r.shape:
+                    n *= s
+                dense += 4 * n
+        all_f32 = all(t.codec == "f32" for t in man.common) and all(
+            t.codec == "f32" for lb in index.layers for t in lb.tensors)
+        emb = man.common_record("token_embd.weight")
+        return cls(c.arch, c.n_layers, c.n_experts, c.top_k, c.hidden, c.n_heads, c.n_kv_heads,
+                   c.head_dim, c.vocab, c.expert_ff, int(man.byte_totals["common_file"]),
+                   emb.nbytes if emb else 0, dense,
+                   tuple(_round_page(lb.block_nbytes) for lb in index.layers), all_f32, man.pack_digest)
+
+
+def kv_dtype_for(f: PackFacts, kv_dtype: str | None) -> str:
+    return kv_dtype or ("float32" if f.all_dense_f32 else "bfloat16")
+
+
+def kv_bytes(f: PackFacts, context: int, kv_dtype: str) -> int:
+    return 2 * f.n_layers * f.n_kv_heads * f.head_dim * context * DTYPE_BYTES[kv_dtype]
+
+
+def overhead_bytes(f: PackFacts, context: int, prefill_chunk: int) -> int:
+    t = min(prefill_chunk, context)
+    scores = 2 * f.n_heads * t * context * 4                    # scores + probs, float32
+    acts = t * 4 * (6 * f.hidden + 3 * f.n_heads * f.head_dim + 3 * f.expert_ff * f.top_k)
+    logits = 2 * f.vocab * 4
+    return FRAMEWORK_BYTES + scores + acts + logits + DEQUANT_TILE_BYTES
+
+
+@dataclass(frozen=True)
+class Plan:
+    feasible: bool
+    reason: str
+    budget_bytes: int | None
+    budget_source: str
+    context: int
+    cache_source: str
+    C: int
+    E: int
+    K: int
+    O: int
+    L: int
+    F: int
+    expert_bytes_total: int
+    cache_percent: float
+    min_cache_bytes: int
+    kv_dtype: str
+    max_cache_percent: float | None = None
+    max_context: int | None = None
+    pack_digest: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def table(self) -> str:
+        g = lambda n: f"{n / GiB:9.4f} GiB  ({n:,} B)"
+        rows = [("C  resident common", g(self.C)), ("E  expert cache", g(self.E) + f"  {self.cache_percent:.1f}% [{self.cache_source}]"),
+                ("K  KV cache", g(self.K) + f"  context {self.context}, {self.kv_dtype}"),
+                ("L  = C + E + K", g(self.L)), ("O  runtime overhead", g(self.O)), ("F  = L + O", g(self.F)),
+                ("budget", g(self.budget_bytes) + f"  [{self.budget_source}]" if self.budget_bytes else "none given"),
+                ("min expert cache", g(self.min_cache_bytes) + "  (one layer's top-k blocks)"),
+                ("largest feasible cache", f"{self.max_cache_percent:.1f}%" if self.max_cache_percent is not None else "n/a"),
+                ("longest feasible context", str(self.max_context) if self.max_context is not None else "n/a"),
+                ("decision", ("FEASIBLE" if self.feasible else "REJECTED") + (f": {self.reason}" if self.reason else ""))]
+        w = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+def make_plan(f: PackFacts, *, memory_budget_gib: float | None = None, context: int = 4096,
+              expert_cache_percent: float | None = None, expert_cache_gib: float | None = None,
+              stream_embeddings: bool = False, kv_dtype: str | None = None, prefill_chunk: int = 128,
+              budget_source: str = "--memory-budget-gib") -> Plan:
+    if context < 1:
+        raise FormatError(f"context must be positive, got {context}")
+    if expert_cache_percent is not None and expert_cache_gib is not None:
+        raise FormatError("give --expert-cache-percent or --expert-cache-gib, not both")
+    if expert_cache_percent is not None and not 0 < expert_cache_percent <= 100:
+        raise FormatError(f"--expert-cache-percent must be in (0, 100], got {expert_cache_percent}")
+    kvd = kv_dtype_for(f, kv_dtype)
+    C = f.common_file_bytes - (f.embedding_bytes if stream_embeddings else 0) + f.dense_copy_bytes
+    K, O = kv_bytes(f, context, kvd), overhead_bytes(f, context, prefill_chunk)
+    budget = int(memory_budget_gib * GiB) if memory_budget_gib is not None else None
+    total = f.expert_bytes
+    if expert_cache_gib is not None:
+        E, src = int(expert_cache_gib * GiB), "--expert-cache-gib"
+    elif expert_cache_percent is not None:
+        E, src = int(total * expert_cache_percent / 100), "--expert-cache-percent"
+    elif budget is not None:
+        E, src = max(0, min(total, budget - C - K - O)), "largest cache that fits F in the budget"
+    else:
+        E, src = total, "default: 100% (no budget given)"
+    E = min(E, total)
+    L = C + E + K
+    reason = ""
+    if E < f.min_cache_bytes:
+        reason = (f"expert cache {E / GiB:.4f} GiB is below one layer's top-{f.top_k} working set "
+                  f"({f.min_cache_bytes / GiB:.4f} GiB)")
+    elif budget is not None and L > budget:
+        reason = f"L = C + E + K = {L / GiB:.4f} GiB exceeds the budget of {budget / GiB:.4f} GiB"
+    max_pct = max_ctx = None
+    if budget is not None:
+        room = budget - C - K
+        max_pct = max(0.0, min(100.0, 100.0 * room / total)) if room >= f.min_cache_bytes else 0.0
+        per_pos = kv_bytes(f, 1, kvd)
+        max_ctx = max(0, (budget - C - E) // per_pos)
+    return Plan(not reason, reason, budget, budget_source if budget is not None else "none", context, src,
+                C, E, K, O, L, L + O, total, 100.0 * E / total, f.min_cache_bytes, kvd, max_pct, max_ctx,
+                f.pack_digest)
+
+
+def add_budget_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--memory-budget-gib", type=float, help="the memory target L must fit in")
+    p.add_argument("--context", type=int, default=4096, help="KV cache length in tokens")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--expert-cache-percent", type=float, help="expert cache as %% of all routed expert bytes")
+    g.add_argument("--expert-cache-gib", type=float, help="expert cache size in GiB")
+    p.add_argument("--stream-embeddings", action="store_true", help="read token-embedding rows from the pack on demand")
+    p.add_argument("--kv-dtype", choices=tuple(DTYPE_BYTES), help="KV cache dtype (default: float32 for F32 packs, else bfloat16)")
+
+
+def plan_from_args(a: argparse.Namespace) -> Plan:
+    return make_plan(PackFacts.from_pack(a.pack), memory_budget_gib=a.memory_budget_gib, context=a.context,
+                     expert_cache_percent=a.expert_cache_percent, expert_cache_gib=a.expert_cache_gib,
+                     stream_embeddings=a.stream_embeddings, kv_dtype=a.kv_dtype)
+
+
+help = "say before loading whether a configuration fits a memory budget"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pack", required=True)
+    add_budget_arguments(p)
+    p.add_argument("--json", action="store_true")
+
+
+def main(a: argparse.Namespace) -> int:
+    plan = plan_from_args(a)
+    print(json.dumps(plan.to_dict(), indent=1) if a.json else plan.table())
+    return 0 if plan.feasible else BudgetRejected.exit_code

@@ -1,0 +1,66 @@
+"""One telemetry schema for the CLI, the server and the bench (documented in docs/telemetry.md)."""
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import asdict, dataclass, field
+
+SCHEMA = "mawforge.telemetry/1"
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set of this process since it started (ru_maxrss is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class Telemetry:
+    schema: str = SCHEMA
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float = 0.0                 # request start -> first token sampled
+    prefill_s: float = 0.0
+    decode_s: float = 0.0               # first token -> last token
+    decode_tok_s: float = 0.0           # (completion_tokens - 1) / decode_s
+    total_s: float = 0.0
+    hits: int = 0
+    misses: int = 0
+    hit_rate: float = 0.0
+    evictions: int = 0
+    materialized_bytes: int = 0         # logical bytes read from experts.pack on demand
+    prefetched_bytes: int = 0
+    prefetch_useful_bytes: int = 0
+    prefetch_wasted_bytes: int = 0
+    expert_cache_bytes: int = 0         # the cache's budget E
+    expert_cache_held_bytes: int = 0    # slot bytes actually held
+    kv_cache_bytes: int = 0
+    resident_common_bytes: int = 0
+    embedding_bytes_read: int = 0
+    rss_bytes: int = 0
+    peak_rss_bytes: int = 0
+    budget_bytes: int | None = None
+    budget_source: str = ""
+    planned_footprint_bytes: int = 0    # F = C + E + K + O
+    cache_policy: str = ""
+    pack_digest: str = ""
+    finish_reason: str = ""
+    speculative: dict = field(default_factory=lambda: {"mode": "off", "drafted": 0, "accepted": 0,
+                                                       "verify_steps": 0, "verify_width": 0.0,
+                                                       "extra_materialized_bytes": 0})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def line(self) -> str:
+        g = lambda n: f"{n / 2**30:.3f}GiB" if n >= 2**30 else f"{n / 2**20:.1f}MiB"
+        return (f"[telemetry] prompt {self.prompt_tokens} tok, completion {self.completion_tokens} tok | "
+                f"TTFT {self.ttft_s:.3f}s | decode {self.decode_tok_s:.2f} tok/s | hits {self.hits} "
+                f"misses {self.misses} hit rate {100 * self.hit_rate:.1f}% evictions {self.evictions} | "
+                f"materialized {g(self.materialized_bytes)} | expert cache {g(self.expert_cache_bytes)} "
+                f"KV {g(self.kv_cache_bytes)} common {g(self.resident_common_bytes)} | "
+                f"peak RSS {g(self.peak_rss_bytes)} (planned F {g(self.planned_footprint_bytes)})")
