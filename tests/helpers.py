@@ -1,0 +1,49 @@
+"""Shared helpers for tests: packing fixtures once per session and reading blocks back."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf import quants as gq
+
+from mawforge.formats import quants
+from mawforge.formats.source import Source
+from mawforge.pack.manifest import EXPERTS, ExpertIndex
+
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+GGUF_FTYPES = ("F32", "F16", "Q8_0", "Q4_K_M")
+
+
+def source_expert_f32(src: Source, layer: int, kind: str, expert: int) -> np.ndarray:
+    """Reference float32 [N, K] of one expert's tensor, dequantized by the gguf library."""
+    et = src.experts[(layer, kind)]
+    path, off, n = et.pieces[expert]
+    with open(path, "rb") as f:
+        f.seek(off)
+        raw = np.frombuffer(f.read(n), dtype=np.uint8)
+    if et.qtype == QT.BF16:
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(et.shape)
+    return gq.dequantize(raw.reshape(et.shape[0], -1), et.qtype).reshape(et.shape).astype(np.float32)
+
+
+def pack_expert(pack: Path, index: ExpertIndex, layer: int, expert: int) -> dict[str, quants.PackedWeight]:
+    off, n, _ = index.block(layer, expert)
+    with open(pack / EXPERTS, "rb") as f:
+        f.seek(off)
+        buf = torch.frombuffer(bytearray(f.read(n)), dtype=torch.uint8)
+    out = {}
+    for t in index.layers[layer].tensors:
+        specs = [quants.PartSpec(p.name, p.dtype, p.shape) for p in t.parts]
+        out[t.name] = quants.get_codec(t.codec).view(buf, [p.offset for p in t.parts], specs,
+                                                     QT[t.qtype], tuple(t.shape))
+    return out
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mawforge.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
