@@ -1,0 +1,368 @@
+"""The torch-free cache core: byte-accounted residency, pins, counters, and the access plan.
+
+Every decision that changes hit or miss counts lives here or in `policies.py`; the live
+`ExpertCache` only mirrors storage (free `evicted`, then load `misses`/`loads`), and
+offline replay calls the same `RouteDriver` with the same sequence, so the counts agree.
+
+Call sequence per step (live and replay):
+    plan = driver.begin_step(kind, n_tokens)        # prefetch for the first MoE layer
+    for each MoE layer l:
+        for group in driver.layer(l, experts, weights):   # experts/weights: [T, k]
+            free group.evicted; load group.misses; compute with group.keys
+        plan = driver.after_layer(l)                # prefetch for the next MoE layer
+    plan = driver.end_step()
+
+Legend: T tokens in the step, k experts per token (top-k).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+
+from mawforge.cache.policies import Key, Policy
+from mawforge.errors import BudgetRejected
+
+BlockBytes = Callable[[int, int], int]  # (layer, expert) -> block bytes
+
+
+def min_capacity(block_sizes_per_layer: Sequence[int | Sequence[int]], top_k: int) -> int:
+    """Bytes of the largest layer's top-k working set: the k largest blocks of a layer.
+    Each item is one layer's block size (uniform) or its per-expert block sizes."""
+    best = 0
+    for sizes in block_sizes_per_layer:
+        if isinstance(sizes, (int, np.integer)):
+            need = int(sizes) * top_k
+        else:
+            need = int(sum(sorted((int(s) for s in sizes), reverse=True)[:top_k]))
+        best = max(best, need)
+    return best
+
+
+def check_capacity(capacity_bytes: int, block_sizes_per_layer, top_k: int) -> int:
+    """Return the minimum; raise BudgetRejected when the capacity is below it."""
+    need = min_capacity(block_sizes_per_layer, top_k)
+    if capacity_bytes < need:
+        raise BudgetRejected(
+            f"expert cache of {capacity_bytes} bytes is below the minimum {need} bytes "
+            f"(one layer's top-{top_k} working set)")
+    return need
+
+
+def unique_experts(experts) -> list[int]:
+    """The layer's distinct experts in ascending id order (expert-major access order)."""
+    if isinstance(experts, np.ndarray):
+        if experts.ndim == 2 and experts.shape[0] == 1:  # decode: skip np.unique's overhead
+            return sorted(set(experts[0].tolist()))
+        return np.unique(experts).tolist()
+    flat = set()
+    for row in experts:
+        if isinstance(row, (int, np.integer)):
+            flat.add(int(row))
+        else:
+            flat.update(int(e) for e in row)
+    return sorted(flat)
+
+
+def plan_groups(sizes: Sequence[int], capacity_bytes: int) -> list[tuple[int, int]]:
+    """Split an access list into consecutive [start, end) groups whose bytes fit."""
+    groups, start, total = [], 0, 0
+    for i, size in enumerate(sizes):
+        if total + size > capacity_bytes and i > start:
+            groups.append((start, i))
+            start, total = i, 0
+        total += size
+    if start < len(sizes):
+        groups.append((start, len(sizes)))
+    return groups
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    layer: int
+    hits: int
+    misses: int
+    evictions: int
+    materialized_bytes: int
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Counters. Hits and misses count block accesses (one per distinct expert per layer
+    group), not token-expert pairs. materialized_bytes: logical bytes loaded on demand.
+    Prefetch: useful = demanded while still resident; wasted = evicted before use;
+    pending = still resident, not yet used (wasted if the run ends now)."""
+    capacity_bytes: int
+    used_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    materialized_bytes: int
+    prefetch_issued: int
+    prefetch_issued_bytes: int
+    prefetch_useful: int
+    prefetch_useful_bytes: int
+    prefetch_wasted: int
+    prefetch_wasted_bytes: int
+    prefetch_pending_bytes: int
+    prefetch_probes: int
+    prefetch_dropped: int
+    per_layer: tuple[LayerStats, ...]
+
+    @property
+    def accesses(self) -> int:
+        return self.hits + self.misses
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.accesses if self.accesses else 0.0
+
+    @property
+    def prefetch_hits(self) -> int:
+        """Demand hits on blocks that were resident only because prefetch loaded them."""
+        return self.prefetch_useful
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(accesses=self.accesses, hit_rate=self.hit_rate)
+        return out
+
+
+class CacheCore:
+    """Which blocks are resident, their bytes, pins and counters. Never holds tensors."""
+
+    def __init__(self, capacity_bytes: int, policy: Policy) -> None:
+        if capacity_bytes <= 0:
+            raise BudgetRejected(f"expert cache capacity must be positive, got {capacity_bytes} bytes")
+        self.capacity_bytes = int(capacity_bytes)
+        self.policy = policy
+        policy.bind(self.capacity_bytes)
+        self.used_bytes = 0
+        self.pinned_bytes = 0
+        self._size: dict[Key, int] = {}
+        self._pins: dict[Key, int] = {}
+        self._unused_prefetch: set[Key] = set()
+        self._layers: dict[int, list[int]] = {}  # layer -> [hits, misses, evictions, bytes]
+        self._pf = dict(issued=0, issued_bytes=0, useful=0, useful_bytes=0, wasted=0,
+                        wasted_bytes=0, probes=0, dropped=0)
+
+    # -- residency -----------------------------------------------------------------
+    def __contains__(self, key: Key) -> bool:
+        """A probe: never touches the policy, so recency is preserved."""
+        return key in self._size
+
+    def __len__(self) -> int:
+        return len(self._size)
+
+    def resident(self) -> list[Key]:
+        return list(self._size)
+
+    def is_evictable(self, key: Key) -> bool:
+        return key not in self._pins
+
+    def pin(self, key: Key) -> None:
+        n = self._pins.get(key, 0)
+        if n == 0:
+            self.pinned_bytes += self._size[key]
+        self._pins[key] = n + 1
+
+    def unpin(self, key: Key) -> None:
+        n = self._pins[key]
+        if n == 1:
+            del self._pins[key]
+            self.pinned_bytes -= self._size[key]
+        else:
+            self._pins[key] = n - 1
+
+    def _counters(self, layer: int) -> list[int]:
+        c = self._layers.get(layer)
+        if c is None:
+            c = self._layers[layer] = [0, 0, 0, 0]
+        return c
+
+    def _evict_for(self, nbytes: int) -> list[Key]:
+        evicted = []
+        while self.used_bytes + nbytes > self.capacity_bytes:
+            key = self.policy.victim(self.is_evictable)
+            if key is None or key in self._pins or key not in self._size:
+                raise RuntimeError(f"policy {self.policy.spec} returned bad victim {key}")
+            size = self._size.pop(key)
+            self.used_bytes -= size
+            self.policy.on_remove(key)
+            self._counters(key[0])[2] += 1
+            if key in self._unused_prefetch:
+                self._unused_prefetch.discard(key)
+                self._pf["wasted"] += 1
+                self._pf["wasted_bytes"] += size
+            evicted.append(key)
+        return evicted
+
+    def _insert(self, key: Key, nbytes: int) -> None:
+        self._size[key] = nbytes
+        self.used_bytes += nbytes
+        assert self.used_bytes <= self.capacity_bytes, "expert cache over capacity"
+        self.policy.on_insert(key, nbytes)
+
+    def _fits_after_eviction(self, nbytes: int) -> bool:
+        return self.pinned_bytes + nbytes <= self.capacity_bytes
+
+    # -- the two ways a block becomes resident --------------------------------------
+    def access(self, key: Key, nbytes: int) -> tuple[bool, list[Key]]:
+        """A demand access. Returns (hit, evicted keys in eviction order)."""
+        counters = self._counters(key[0])
+        if key in self._size:
+            counters[0] += 1
+            self.policy.on_hit(key)
+            if key in self._unused_prefetch:
+                self._unused_prefetch.discard(key)
+                self._pf["useful"] += 1
+                self._pf["useful_bytes"] += self._size[key]
+            return True, []
+        if not self._fits_after_eviction(nbytes):
+            raise BudgetRejected(
+                f"expert cache of {self.capacity_bytes} bytes cannot load block {key} "
+                f"({nbytes} bytes) with {self.pinned_bytes} bytes pinned")
+        evicted = self._evict_for(nbytes)
+        counters[1] += 1
+        counters[3] += nbytes
+        self._insert(key, nbytes)
+        return False, evicted
+
+    def prefetch(self, key: Key, nbytes: int, touch: bool = False) -> tuple[str, list[Key]]:
+        """A speculative load through the same byte budget. Returns (status, evicted):
+        'probe' (already resident; with touch=True the policy sees a hit, refreshing
+        recency), 'load' (now resident, counted as issued), 'drop' (pins leave no room)."""
+        if key in self._size:
+            self._pf["probes"] += 1
+            if touch:
+                self.policy.on_hit(key)
+            return "probe", []
+        if not self._fits_after_eviction(nbytes):
+            self._pf["dropped"] += 1
+            return "drop", []
+        evicted = self._evict_for(nbytes)
+        self._insert(key, nbytes)
+        self._unused_prefetch.add(key)
+        self._pf["issued"] += 1
+        self._pf["issued_bytes"] += nbytes
+        return "load", evicted
+
+    # -- counters ------------------------------------------------------------------
+    def stats(self) -> CacheStats:
+        per_layer = tuple(LayerStats(layer, *c) for layer, c in sorted(self._layers.items()))
+        pf = self._pf
+        return CacheStats(
+            capacity_bytes=self.capacity_bytes, used_bytes=self.used_bytes,
+            hits=sum(s.hits for s in per_layer), misses=sum(s.misses for s in per_layer),
+            evictions=sum(s.evictions for s in per_layer),
+            materialized_bytes=sum(s.materialized_bytes for s in per_layer),
+            prefetch_issued=pf["issued"], prefetch_issued_bytes=pf["issued_bytes"],
+            prefetch_useful=pf["useful"], prefetch_useful_bytes=pf["useful_bytes"],
+            prefetch_wasted=pf["wasted"], prefetch_wasted_bytes=pf["wasted_bytes"],
+            prefetch_pending_bytes=sum(self._size[k] for k in self._unused_prefetch),
+            prefetch_probes=pf["probes"], prefetch_dropped=pf["dropped"], per_layer=per_layer)
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """Blocks computed together. The runtime frees `evicted` first, then loads `misses`;
+    all of `keys` stay pinned until the consumer asks for the next group."""
+    layer: int
+    keys: tuple[Key, ...]
+    misses: tuple[Key, ...]
+    evicted: tuple[Key, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchPlan:
+    """Speculative loads: free `evicted` first, then load `loads`; `probed` were resident."""
+    loads: tuple[Key, ...] = ()
+    evicted: tuple[Key, ...] = ()
+    probed: tuple[Key, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.evicted or self.probed)
+
+
+EMPTY_PLAN = PrefetchPlan()
+
+
+class RouteDriver:
+    """Turns routing decisions into cache accesses, identically live and in replay."""
+
+    def __init__(self, core: CacheCore, block_bytes: BlockBytes, prefetcher=None) -> None:
+        self.core = core
+        self.block_bytes = block_bytes
+        self.prefetcher = prefetcher
+        self.kind = "decode"
+        self.n_tokens = 0
+
+    def begin_step(self, kind: str, n_tokens: int) -> PrefetchPlan:
+        """Start a step; returns the prefetch for the first MoE layer (live: start it)."""
+        if kind not in ("prefill", "decode"):
+            raise ValueError(f"step kind must be 'prefill' or 'decode', got {kind!r}")
+        self.kind, self.n_tokens = kind, n_tokens
+        if self.prefetcher is None:
+            return EMPTY_PLAN
+        return self._prefetch_before(None)
+
+    def layer(self, layer: int, experts, weights=None) -> Iterator[Group]:
+        """experts, weights: [T, k] (numpy or nested lists). Yields groups; exhaust it."""
+        if self.prefetcher is not None:
+            self.prefetcher.observe(layer, experts, weights)
+        core, size_of = self.core, self.block_bytes
+        ids = unique_experts(experts)
+        keys = [(layer, e) for e in ids]
+        sizes = [size_of(layer, e) for e in ids]
+        pinned: list[Key] = []
+        try:
+            for start, end in plan_groups(sizes, core.capacity_bytes):
+                misses, evicted = [], []
+                for key, size in zip(keys[start:end], sizes[start:end]):
+                    hit, gone = core.access(key, size)
+                    core.pin(key)
+                    pinned.append(key)
+                    if not hit:
+                        misses.append(key)
+                        evicted.extend(gone)
+                yield Group(layer, tuple(keys[start:end]), tuple(misses), tuple(evicted))
+                for key in pinned:
+                    core.unpin(key)
+                pinned.clear()
+        finally:
+            for key in pinned:
+                core.unpin(key)
+
+    def after_layer(self, layer: int) -> PrefetchPlan:
+        """Returns the prefetch for the next MoE layer, issued while this one finishes."""
+        if self.prefetcher is None:
+            return EMPTY_PLAN
+        return self._prefetch_before(layer)
+
+    def end_step(self) -> PrefetchPlan:
+        """Hook for step-level prefetchers; the built-in ones act per layer."""
+        return EMPTY_PLAN
+
+    def prefetch(self, keys: Iterable[Key], touch: bool = False) -> PrefetchPlan:
+        """Issue speculative loads (e.g. live router lookahead) through the byte budget.
+        Keys of one plan are pinned while it is built, so a plan never evicts its own loads."""
+        loads, evicted, probed, pinned = [], [], [], []
+        try:
+            for key in keys:
+                status, gone = self.core.prefetch(key, self.block_bytes(*key), touch)
+                if status == "drop":
+                    continue
+                (loads if status == "load" else probed).append(key)
+                evicted.extend(gone)
+                self.core.pin(key)
+                pinned.append(key)
+        finally:
+            for key in pinned:
+                self.core.unpin(key)
+        return PrefetchPlan(tuple(loads), tuple(evicted), tuple(probed))
+
+    def _prefetch_before(self, after: int | None) -> PrefetchPlan:
+        keys = self.prefetcher.predict(self.kind, after)
+        return self.prefetch(keys, touch=self.prefetcher.touch) if keys else EMPTY_PLAN

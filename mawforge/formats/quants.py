@@ -1,0 +1,410 @@
+"""Storage codecs: the layouts the pack stores and the runtime computes on.
+
+A source tensor (raw GGUF bytes of one GGMLQuantizationType, or dense F32/F16/BF16) is
+encoded at pack time into one or more *parts* (named, typed byte ranges). At run time the
+block's bytes sit in a uint8 buffer and `Codec.view` turns its parts into zero-copy
+tensors, wrapped in a `PackedWeight` that `mawforge.kernels.cpu.linear` computes on.
+
+Codecs, by name:
+  f32, f16, bf16      dense, byte-exact
+  ggml                the GGUF blocks byte-exact (any type gguf can dequantize)
+  int4_g32_<layout>   Q4_0/Q4_1/Q4_K transcoded to torch's CPU int4pack weight plus bf16
+                      scales_and_zeros; w = (q - 8) * scale + zero per group of 32.
+                      The packed weight layout depends on the CPU kernel torch dispatches to
+                      (avx512: 64-row blocks, avx2 and the scalar kernel: 32-row blocks, see
+                      aten/src/ATen/native/cpu/int4mm_kernel.cpp), so the layout is part of
+                      the codec name and recorded in the pack.
+  int8_g32_<layout>   Q8_0 as two int4 planes on the same kernel (see _Int8G32);
+                      |w - w_gguf| <= 2**-8 * |w_gguf|.
+  Rounding bound of int4_g32 against gguf's dequantization, per element of group g:
+      |w_int4 - w_gguf| <= 2**-8 * (8 * |scale_g| + |zero_g|) (+ float32 rounding)
+  (scale and zero are rounded once to bf16; Q4_0 has zero = 0 so the bound is 8 * 2**-8 * |d|.)
+
+Legend: N = rows (output features), K = row length (input features), G = K / 32 groups.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+from mawforge.errors import FormatError, UnsupportedError
+from mawforge.kernels import dequant
+
+TORCH_DTYPES = {
+    "uint8": torch.uint8, "int8": torch.int8, "int32": torch.int32,
+    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+}
+_ITEMSIZE = {name: torch.empty(0, dtype=dt).element_size() for name, dt in TORCH_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self):
+        if self.dtype not in TORCH_DTYPES:
+            raise FormatError(f"part {self.name!r} has unknown dtype {self.dtype!r}; known: {', '.join(TORCH_DTYPES)}")
+        if any(int(d) < 0 for d in self.shape):
+            raise FormatError(f"part {self.name!r} has a negative dimension in {self.shape}")
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.itemsize
+
+
+@dataclass(frozen=True, eq=False)
+class PackedWeight:
+    """A weight [N, K] in a storage codec; parts are tensors (views into a block buffer)."""
+    codec: str
+    ggml_type: T
+    shape: tuple[int, int]
+    parts: dict[str, torch.Tensor] = field(repr=False)
+
+    def __post_init__(self):
+        if len(self.shape) != 2 or min(self.shape) <= 0:
+            raise FormatError(f"a packed weight needs a 2-D shape (N, K), got {self.shape}")
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.parts.values())).device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parts.values())
+
+
+class Codec:
+    """A storage layout. Subclasses register with `class X(Codec, name="...")`."""
+
+    registry: dict[str, Codec] = {}
+    name: str
+
+    def __init_subclass__(cls, name: str | None = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            cls.name = name
+            Codec.registry[name] = cls()
+
+    def supports(self, ggml_type: T) -> bool:
+        raise NotImplementedError
+
+    def parts(self, ggml_type: T, shape: tuple[int, int]) -> list[PartSpec]:
+        raise NotImplementedError
+
+    def encode(self, raw: np.ndarray, ggml_type: T, shape: tuple[int, int]) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def dequantize(self, w: PackedWeight) -> torch.Tensor:
+        raise NotImplementedError
+
+    def magnitude(self, w: PackedWeight) -> torch.Tensor:
+        """|W| summed over the pieces a kernel rounds separately (error analysis, tests)."""
+        return self.dequantize(w).abs()
+
+    def nbytes(self, ggml_type: T, shape: tuple[int, int]) -> int:
+        return sum(p.nbytes for p in self.parts(ggml_type, shape))
+
+    def view(self, buf: torch.Tensor, offsets: list[int], parts: list[PartSpec],
+             ggml_type: T, shape: tuple[int, int]) -> PackedWeight:
+        """Zero-copy views of `parts` at byte `offsets` of a 1-D uint8 buffer (any device)."""
+        if buf.dtype != torch.uint8 or buf.dim() != 1:
+            raise FormatError("a block buffer must be a 1-D uint8 tensor")
+        if len(offsets) != len(parts):
+            raise FormatError(f"{len(parts)} parts but {len(offsets)} offsets")
+        views = {}
+        for off, spec in zip(offsets, parts):
+            if off < 0 or off + spec.nbytes > buf.numel():
+                raise FormatError(f"part {spec.name!r} [{off}, {off + spec.nbytes}) lies outside a {buf.numel()}-byte block")
+            if (buf.storage_offset() + off) % spec.itemsize:
+                raise FormatError(f"part {spec.name!r} at byte {off} is not aligned to its {spec.itemsize}-byte dtype")
+            views[spec.name] = buf[off:off + spec.nbytes].view(TORCH_DTYPES[spec.dtype]).view(spec.shape)
+        return PackedWeight(self.name, T(ggml_type), (int(shape[0]), int(shape[1])), views)
+
+
+def _check_raw(raw: np.ndarray, ggml_type: T, shape: tuple[int, int]) -> np.ndarray:
+    n, k = shape
+    want = n * dequant.row_bytes(ggml_type, k)
+    flat = np.ascontiguousarray(raw).reshape(-1)
+    if flat.dtype != np.uint8 or flat.size != want:
+        raise FormatError(f"{ggml_type.name} {n}x{k} needs {want} source bytes, got {flat.size} of {flat.dtype}")
+    return flat
+
+
+class _Dense(Codec):
+    ggml_type: T
+    dtype: str
+    np_dtype: type
+
+    def supports(self, ggml_type):
+        return ggml_type == self.ggml_type
+
+    def parts(self, ggml_type, shape):
+        return [PartSpec("weight", self.dtype, tuple(shape))]
+
+    def encode(self, raw, ggml_type, shape):
+        return [_check_raw(raw, ggml_type, shape).view(self.np_dtype).reshape(shape)]
+
+    def dequantize(self, w):
+        return w.parts["weight"].float()
+
+
+class F32(_Dense, name="f32"):
+    ggml_type, dtype, np_dtype = T.F32, "float32", np.float32
+
+
+class F16(_Dense, name="f16"):
+    ggml_type, dtype, np_dtype = T.F16, "float16", np.float16
+
+
+class BF16(_Dense, name="bf16"):
+    ggml_type, dtype, np_dtype = T.BF16, "bfloat16", np.uint16  # numpy has no bf16: bit patterns
+
+
+_GGUF_TYPES = set(getattr(gguf.quants, "_type_traits", {})) | set(dequant.BlockDequant.registry)
+
+
+class Ggml(Codec, name="ggml"):
+    """The GGUF blocks as stored: rows of whole blocks, computed on by dequantizing tiles."""
+
+    def supports(self, ggml_type):
+        return ggml_type in _GGUF_TYPES
+
+    def parts(self, ggml_type, shape):
+        return [PartSpec("blocks", "uint8", (shape[0], dequant.row_bytes(ggml_type, shape[1])))]
+
+    def encode(self, raw, ggml_type, shape):
+        return [_check_raw(raw, ggml_type, shape).reshape(shape[0], -1)]
+
+    def dequantize(self, w):
+        return dequant.dequantize_rows(w.parts["blocks"], w.ggml_type, w.shape[1])
+
+
+# --- int4 groups of 32 on torch's CPU int4pack kernel -----------------------------------
+
+def int4_groups(raw: torch.Tensor, ggml_type: T, shape: tuple[int, int]):
+    """Q4_0/Q4_1/Q4_K bytes -> (q uint8 [N, K] in 0..15, scale f32 [N, G], zero f32 [N, G])
+    with gguf's value = (q - 8) * scale + zero, computed exactly in float32 before bf16."""
+    n, k = shape
+    elems, nbytes = dequant.block_geometry(ggml_type)
+    blocks = raw.reshape(-1, nbytes)
+    if ggml_type == T.Q4_K:
+        d, dmin = dequant._f16(blocks[:, :2]), dequant._f16(blocks[:, 2:4])
+        sc, mn = dequant.k_scale_min(blocks[:, 4:16])
+        scale = d * sc.float()  # [B, 8]
+        zero = 8 * scale - dmin * mn.float()
+        q = dequant.q4_k_nibbles(blocks[:, 16:])
+    else:
+        off = 2 if ggml_type == T.Q4_0 else 4
+        scale = dequant._f16(blocks[:, :2])  # [B, 1]
+        zero = torch.zeros_like(scale) if ggml_type == T.Q4_0 else 8 * scale + dequant._f16(blocks[:, 2:4])
+        q = dequant._nibbles(blocks[:, off:], dim=1)  # [B, 2, 16]
+    return q.reshape(n, k), scale.reshape(n, k // 32), zero.reshape(n, k // 32)
+
+
+class _Int4G32(Codec):
+    """Packed weight uint8 [N, K/2] in torch's CPU layout + bf16 scales_and_zeros [G, N, 2].
+
+    The CPU packing works on blocks of `block_n` rows: byte (k, j) of a full block holds row
+    j (low nibble) and row j + block_n/2 (high nibble) at column k; a shorter tail block
+    (16, 32 or 48 rows) pairs rows 2j and 2j+1. `pairs_full` marks a layout that pairs
+    rows in full blocks too (the scalar kernel)."""
+    layout: str
+    block_n: int
+    pairs_full: bool = False
+    sources = (T.Q4_0, T.Q4_1, T.Q4_K)
+
+    def supports(self, ggml_type):
+        return ggml_type in self.sources
+
+    def parts(self, ggml_type, shape):
+        n, k = shape
+        if n % 16 or k % 32:
+            raise UnsupportedError(f"{self.name} needs rows divisible by 16 and row length by 32, got {n}x{k}")
+        return [PartSpec("qweight", "uint8", (n, k // 2)), PartSpec("scales_zeros", "bfloat16", (k // 32, n, 2))]
+
+    def _row_order(self, rows: int) -> np.ndarray:
+        """Row of each nibble slot in a block of `rows`: slots [0, rows/2) low, the rest high."""
+        if rows == self.block_n and not self.pairs_full:
+            return np.arange(rows)
+        return np.concatenate([np.arange(0, rows, 2), np.arange(1, rows, 2)])
+
+    def _groups(self, n: int):
+        """(first row, block count, rows per block, slot order): the full blocks, then the tail."""
+        full = n // self.block_n
+        if full:
+            yield 0, full, self.block_n, self._row_order(self.block_n)
+        if n % self.block_n:
+            yield full * self.block_n, 1, n % self.block_n, self._row_order(n % self.block_n)
+
+    def pack_nibbles(self, q: np.ndarray) -> np.ndarray:
+        """uint8 [N, K] values 0..15 -> packed uint8 [N, K/2] in this layout."""
+        n, k = q.shape
+        out = []
+        for start, count, rows, order in self._groups(n):
+            blk = q[start:start + count * rows].reshape(count, rows, k)[:, order]
+            slots = blk.transpose(0, 2, 1)  # [count, K, rows] nibble slots
+            out.append((slots[..., : rows // 2] | (slots[..., rows // 2:] << 4)).reshape(-1))
+        return np.concatenate(out).reshape(n, k // 2)
+
+    def unpack_nibbles(self, packed: torch.Tensor) -> torch.Tensor:
+        """Packed uint8 [N, K/2] -> uint8 [N, K] values 0..15 (torch, any device)."""
+        n, k = packed.shape[0], packed.shape[1] * 2
+        flat, q = packed.reshape(-1), []
+        for start, count, rows, order in self._groups(n):
+            blk = flat[start * k // 2:(start + count * rows) * k // 2].view(count, k, rows // 2)
+            slots = torch.cat([blk & 0x0F, blk >> 4], dim=2)  # [count, K, rows]
+            if not np.array_equal(order, np.arange(rows)):
+                slots = slots.index_select(2, torch.from_numpy(np.argsort(order)).to(packed.device))
+            q.append(slots.transpose(1, 2).reshape(count * rows, k))
+        return torch.cat(q, dim=0) if len(q) > 1 else q[0]
+
+    def encode(self, raw, ggml_type, shape):
+        self.parts(ggml_type, shape)
+        flat = torch.from_numpy(_check_raw(raw, ggml_type, shape).copy())
+        q, scale, zero = int4_groups(flat, ggml_type, shape)
+        sz = torch.stack([scale.T, zero.T], dim=-1).to(torch.bfloat16)  # [G, N, 2]
+        return [self.pack_nibbles(q.numpy()), sz.contiguous().view(torch.uint16).numpy()]
+
+    def dequantize(self, w):
+        return self.dequantize_as(w, torch.float32)
+
+    def dequantize_as(self, w: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
+        """[N, K] in `dtype`, computed in float32 as (q - 8) * scale + zero."""
+        return self.plane(w.parts["qweight"], w.parts["scales_zeros"], w.shape).to(dtype)
+
+    def plane(self, qweight: torch.Tensor, scales_zeros: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        n, k = shape
+        q = self.unpack_nibbles(qweight).view(n, k // 32, 32)
+        sz = scales_zeros.float()  # [G, N, 2]
+        scale, zero = sz[..., 0].T.unsqueeze(-1), sz[..., 1].T.unsqueeze(-1)  # [N, G, 1]
+        return ((q.float() - 8) * scale + zero).reshape(n, k)
+
+
+class Int4G32Avx512(_Int4G32, name="int4_g32_avx512"):
+    layout, block_n = "avx512", 64
+
+
+class Int4G32Avx2(_Int4G32, name="int4_g32_avx2"):
+    layout, block_n = "avx2", 32
+
+
+class Int4G32Scalar(_Int4G32, name="int4_g32_scalar"):
+    layout, block_n, pairs_full = "scalar", 32, True
+
+
+class _Int8G32(Codec):
+    """Q8_0 as two int4 planes on the same int4pack kernel: q = 16 * hi + lo with
+    hi = q >> 4 in -8..7 (stored hi + 8, scale 16d, zero 0) and lo = q & 15 (scale d, zero 8d).
+    The planes sum to bf16(d) * q exactly, so the only loss is d rounded to bf16:
+    |w - w_gguf| <= 2**-8 * |w_gguf|. 10 bits a weight instead of 8.5, for two fused
+    int4 GEMVs instead of a dequantization."""
+    int4: str
+
+    def supports(self, ggml_type):
+        return ggml_type == T.Q8_0
+
+    def parts(self, ggml_type, shape):
+        half = Codec.registry[self.int4].parts(T.Q4_0, shape)
+        return [PartSpec(p.name + sfx, p.dtype, p.shape) for sfx in ("_hi", "_lo") for p in half]
+
+    def encode(self, raw, ggml_type, shape):
+        self.parts(ggml_type, shape)
+        n, k = shape
+        blocks = torch.from_numpy(_check_raw(raw, ggml_type, shape).copy()).view(-1, 34)
+        d = dequant._f16(blocks[:, :2]).reshape(n, k // 32)  # [N, G]
+        q = blocks[:, 2:].view(torch.int8).reshape(n, k)
+        int4 = Codec.registry[self.int4]
+        out = []
+        for nib, scale, zero in (((q >> 4) + 8, 16 * d, torch.zeros_like(d)), (q & 15, d, 8 * d)):
+            sz = torch.stack([scale.T, zero.T], dim=-1).to(torch.bfloat16)  # [G, N, 2]
+            out += [int4.pack_nibbles(nib.to(torch.uint8).numpy()), sz.contiguous().view(torch.uint16).numpy()]
+        return out
+
+    def planes(self, w: PackedWeight) -> list[torch.Tensor]:
+        int4 = Codec.registry[self.int4]
+        return [int4.plane(w.parts["qweight" + s], w.parts["scales_zeros" + s], w.shape) for s in ("_hi", "_lo")]
+
+    def dequantize(self, w):
+        hi, lo = self.planes(w)
+        return hi + lo
+
+    def dequantize_as(self, w: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
+        return self.dequantize(w).to(dtype)
+
+    def magnitude(self, w: PackedWeight) -> torch.Tensor:
+        hi, lo = self.planes(w)
+        return hi.abs() + lo.abs()
+
+
+class Int8G32Avx512(_Int8G32, name="int8_g32_avx512"):
+    int4 = "int4_g32_avx512"
+
+
+class Int8G32Avx2(_Int8G32, name="int8_g32_avx2"):
+    int4 = "int4_g32_avx2"
+
+
+class Int8G32Scalar(_Int8G32, name="int8_g32_scalar"):
+    int4 = "int4_g32_scalar"
+
+
+@functools.cache
+def native_int4_codec() -> str | None:
+    """The int4_g32 codec whose layout this process's torch CPU kernel uses, found by packing
+    a probe (ATEN_CPU_CAPABILITY can change it); None if torch has no such kernel here."""
+    probe = np.random.default_rng(0).integers(0, 16, (112, 64), dtype=np.uint8)
+    try:
+        got = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(probe).int(), 1)
+    except (AttributeError, RuntimeError):
+        return None
+    for name, codec in Codec.registry.items():
+        if isinstance(codec, _Int4G32) and np.array_equal(codec.pack_nibbles(probe), got.numpy().reshape(112, 32)):
+            return name
+    return None
+
+
+def get_codec(name: str) -> Codec:
+    try:
+        return Codec.registry[name]
+    except KeyError:
+        raise UnsupportedError(f"unknown storage codec {name!r}; known: {', '.join(sorted(Codec.registry))}") from None
+
+
+def supported_types() -> list[str]:
+    names = {t.name for codec in Codec.registry.values() for t in T if codec.supports(t)}
+    return sorted(names)
+
+
+def choose_codec(ggml_type: T, layout: str = "fast", shape: tuple[int, int] | None = None) -> Codec:
+    """The codec to store a tensor of `ggml_type` in. 'fast' transcodes Q4_0/Q4_1/Q4_K to this
+    CPU's int4_g32 layout where the shape allows; 'exact' keeps the source bytes."""
+    if layout not in ("fast", "exact"):
+        raise UnsupportedError(f"codec layout must be 'fast' or 'exact', got {layout!r}")
+    ggml_type = T(ggml_type)
+    native = native_int4_codec()
+    shape_ok = shape is None or (shape[0] % 16 == 0 and shape[1] % 32 == 0)
+    if layout == "fast" and native and shape_ok:
+        for name in (native, native.replace("int4", "int8")):
+            if Codec.registry[name].supports(ggml_type):
+                return Codec.registry[name]
+    for name in ("f32", "f16", "bf16", "ggml"):
+        if Codec.registry[name].supports(ggml_type):
+            return Codec.registry[name]
+    raise UnsupportedError(f"quant type {ggml_type.name} is not supported; supported: {', '.join(supported_types())}")
+
+
+def dequantize(w: PackedWeight) -> torch.Tensor:
+    """Reference float32 [N, K] of a packed weight (tests, embeddings, fallbacks)."""
+    return get_codec(w.codec).dequantize(w)
