@@ -17,6 +17,7 @@ COMMANDS = {
     "run": "mawforge.engine.run:",
     "serve": "mawforge.serve.app:",
     "replay": "mawforge.trace.replay:",
+    "synth-trace": "mawforge.trace.synthetic:",
     "bench": "mawforge.bench.matrix:",
     "tune": "mawforge.bench.tune:",
 }

@@ -82,5 +82,7 @@ def main(a: argparse.Namespace) -> int:
     finally:
         rt.close()
         if recorder is not None:
+            if not a.lookahead:   # replay can check these counters only without live-only lookahead
+                recorder.set_live(rt.plan.E, a.policy, a.prefetch, rt.cache.core.stats())
             recorder.save(a.trace_out)
     return 0

@@ -5,7 +5,7 @@ Architecture names are llama.cpp's (`qwen3moe`, `qwen2moe`, `mixtral`, `olmoe`);
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from mawforge.errors import FormatError, UnsupportedError
@@ -50,6 +50,9 @@ class ModelConfig:
     norm_topk_prob: bool = True
     tie_embeddings: bool = False
     context_length: int = 4096
+    # Family-specific settings (layer types, sliding windows, MLA ranks, ...): plain JSON
+    # values, read by that family's model file and its KV accounting.
+    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
