@@ -1,0 +1,96 @@
+"""Shared pieces of the benchmarks: shape-true model files, cold caches, child processes with
+their peak RSS, medians. Benchmarks measure MawForge and its peer in the same run."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "work" / "bench"          # git-ignored
+PY = sys.executable
+
+
+def machine() -> str:
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    mem = next(int(l.split()[1]) for l in open("/proc/meminfo") if l.startswith("MemTotal")) / 2**20
+    return f"{platform.node()}: {os.cpu_count()} cores ({cpu}), {mem:.0f} GiB RAM, {platform.platform()}"
+
+
+def drop_caches() -> None:
+    """Cold page cache for the next read (root only; benchmarks run as root here)."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def run_child(cmd: list[str], *, env: dict | None = None, timeout: float = 3600, cwd=None) -> dict:
+    """Run cmd; return wall seconds, exit code and output."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(env or {})},
+                         cwd=cwd, text=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+    return {"wall_s": time.perf_counter() - t0, "rc": p.returncode, "stdout": out, "stderr": err}
+
+
+def run_measured(cmd: list[str], **kw) -> dict:
+    """Like run_child, but the peak RSS is the command's own (measured by a tiny wrapper)."""
+    wrapper = [PY, "-c", _WRAP, *cmd]
+    r = run_child(wrapper, **kw)
+    lines = r["stderr"].rstrip().splitlines()
+    if lines and lines[-1].startswith("MAXRSS "):
+        r["peak_rss_bytes"] = int(lines[-1].split()[1]) * 1024
+        r["stderr"] = "\n".join(lines[:-1])
+    return r
+
+
+_WRAP = r"""
+import os, resource, subprocess, sys
+p = subprocess.run(sys.argv[1:])
+print("MAXRSS", resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)
+sys.exit(p.returncode)
+"""
+
+
+def synth_model(layers: int, quant: str = "Q4_K_M", skew: float = 0.0, stickiness: float = 0.0,
+                seed: int = 0) -> Path:
+    """A shape-true Qwen3-30B-A3B-dimension GGUF under work/bench (built once)."""
+    WORK.mkdir(parents=True, exist_ok=True)
+    name = f"qwen3moe-L{layers}-{quant}-skew{skew:g}-stick{stickiness:g}-s{seed}.gguf"
+    out = WORK / name
+    if not out.exists():
+        r = run_child([PY, "-m", "mawforge.cli", "synth", "-o", str(out), "--layers", str(layers), "--quant", quant,
+                       "--skew", str(skew), "--stickiness", str(stickiness), "--seed", str(seed), "--no-report"])
+        if r["rc"] != 0:
+            raise SystemExit(f"synth failed: {r['stderr'][-2000:]}")
+    return out
+
+
+def pack_of(gguf: Path, layout: str = "fast") -> Path:
+    out = gguf.with_suffix(f".{layout}.pack")
+    if not (out / "manifest.json").exists():
+        r = run_child([PY, "-m", "mawforge.cli", "pack", str(gguf), "-o", str(out), "--layout", layout,
+                       "--quiet", "--force"])
+        if r["rc"] != 0:
+            raise SystemExit(f"pack failed: {r['stderr'][-2000:]}")
+    return out
+
+
+def median(xs) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def save(name: str, data: dict) -> Path:
+    WORK.mkdir(parents=True, exist_ok=True)
+    p = WORK / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    p.write_text(json.dumps(data, indent=1, default=str))
+    return p
