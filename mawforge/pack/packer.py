@@ -1,7 +1,7 @@
 """Streaming packer: source model -> split pack, with bounded memory.
 
-Memory bound: one reader thread keeps at most QUEUE_BLOCKS expert blocks of source bytes
-in flight, the writer holds one encoded block, and common tensors are copied in CHUNK
+Memory bound: one reader thread keeps at most QUEUE_BATCHES + 2 batches of BATCH_BYTES
+source bytes in flight, the writer stages 32 MiB, and common tensors are copied in CHUNK
 slices (a transcoded common tensor is encoded whole, so only tensors up to
 TRANSCODE_COMMON_MAX source bytes are transcoded). Peak memory therefore depends on the
 largest expert block and those caps, never on the model's size.
@@ -27,11 +27,13 @@ from mawforge import __version__
 from mawforge.errors import FormatError, MawError, PackExists
 from mawforge.formats import quants
 from mawforge.formats.source import ExpertTensor, Source, TensorInfo, open_source
+from mawforge.pack.directio import _ZEROS, Reader, Writer
 from mawforge.pack.manifest import (COMMON, EXPERTS, INDEX, MANIFEST, ExpertIndex, LayerBlocks,
                                     Manifest, Part, TensorRecord, digest)
 
-CHUNK = 64 << 20
-QUEUE_BLOCKS = 8
+CHUNK = 32 << 20
+BATCH_BYTES = 16 << 20             # source bytes of experts read per batch (per layer)
+QUEUE_BATCHES = 3
 PART_ALIGN = 64                    # typed views inside a block start on 64-byte boundaries
 COMMON_ALIGN = 4096
 TRANSCODE_COMMON_MAX = 64 << 20
@@ -104,7 +106,7 @@ def plan_pack(src: Source, alignment: int, layout: str) -> _Plan:
                               PART_ALIGN, et.kind)
             recs.append(rec)
         stride = _round_up(end, alignment)
-        n = len(ets[0].pieces)
+        n = len(ets[0].pieces) if ets else 0      # dense layers (DeepSeek's first_k_dense) have no experts
         offsets = tuple(base + e * stride for e in range(n))
         layers.append((ets, LayerBlocks(layer, end, tuple(recs), offsets, ("",) * n)))
         base += n * stride
@@ -128,27 +130,6 @@ class _Progress:
             self.bar.close()
 
 
-class _Files:
-    """Read-only fds for the source files, opened once."""
-
-    def __init__(self, paths):
-        self.fds = {}
-        for p in paths:
-            fd = os.open(p, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            self.fds[p] = fd
-
-    def pread(self, path: Path, off: int, n: int) -> bytes:
-        b = os.pread(self.fds[path], n, off)
-        if len(b) != n:
-            raise FormatError(f"{path.name} is truncated: short read at byte {off}")
-        return b
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-
-
 def _encode(rec: TensorRecord, raw: bytes, qtype, shape) -> list[np.ndarray]:
     codec = quants.get_codec(rec.codec)
     arrays = codec.encode(np.frombuffer(raw, dtype=np.uint8), qtype, _as2d(shape))
@@ -158,92 +139,126 @@ def _encode(rec: TensorRecord, raw: bytes, qtype, shape) -> list[np.ndarray]:
     return arrays
 
 
-def _write_common(plan: _Plan, files: _Files, out: Path, hasher, prog: _Progress) -> dict:
+def _contiguous(et: ExpertTensor, e0: int, e1: int) -> bool:
+    p = et.pieces
+    return all(p[e][0] == p[e0][0] and p[e][1] == p[e - 1][1] + p[e - 1][2] for e in range(e0 + 1, e1))
+
+
+def _write_common(plan: _Plan, rd: Reader, out: Path, hasher, prog: _Progress) -> dict:
     digests = {}
-    with open(out, "wb") as f:
+    w = Writer(out)
+    try:
         for t, rec in plan.common:
             h = xxhash.xxh3_128()
-            f.seek(rec.parts[0].offset)
-            codec = quants.get_codec(rec.codec)
             if _byte_exact(rec.codec):
+                w.pad_to(rec.parts[0].offset)
                 for pos in range(0, t.nbytes, CHUNK):
-                    b = files.pread(t.path, t.offset + pos, min(CHUNK, t.nbytes - pos))
-                    hasher.update(b)
-                    h.update(b)
-                    f.write(b)
-                    prog.update(len(b))
-            else:
-                raw = files.pread(t.path, t.offset, t.nbytes)
-                hasher.update(raw)
-                for a, p in zip(_encode(rec, raw, t.qtype, t.shape), rec.parts):
-                    f.seek(p.offset)
-                    mv = memoryview(np.ascontiguousarray(a)).cast("B")
+                    buf, mv = rd.read(t.path, t.offset + pos, min(CHUNK, t.nbytes - pos))
+                    hasher.update(mv)
                     h.update(mv)
-                    f.write(mv)
+                    w.write_at(w.end, mv)
+                    prog.update(len(mv))
+                    buf.release()
+            else:
+                buf, mv = rd.read(t.path, t.offset, t.nbytes)
+                hasher.update(mv)
+                for a, p in zip(_encode(rec, mv, t.qtype, t.shape), rec.parts):
+                    data = memoryview(np.ascontiguousarray(a)).cast("B")
+                    h.update(data)
+                    w.write_at(p.offset, data)
+                buf.release()
                 prog.update(t.nbytes)
             digests[t.name] = h.hexdigest()
-        f.truncate(_round_up(max(plan.common_bytes, 1), COMMON_ALIGN))
-        f.flush()
-        os.fsync(f.fileno())
+    except BaseException:
+        w.abort()
+        raise
+    w.close(_round_up(max(plan.common_bytes, 1), COMMON_ALIGN))
     return digests
 
 
-def _reader(plan: _Plan, files: _Files, q: queue.Queue, stop: threading.Event) -> None:
+def _reader(plan: _Plan, rd: Reader, q: queue.Queue, stop: threading.Event) -> None:
+    """Reads expert batches (up to BATCH_BYTES of source per batch, one read per kind where
+    the experts lie back to back) and hands them to the writer."""
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     try:
         for ets, lb in plan.layers:
-            for e in range(len(lb.offsets)):
-                raws = [files.pread(*et.pieces[e]) for et in ets]
-                while not stop.is_set():
-                    try:
-                        q.put((lb.layer, e, raws), timeout=0.2)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+            n_exp = len(lb.offsets)
+            per = max(1, BATCH_BYTES // max(1, sum(et.expert_nbytes for et in ets)))
+            for e0 in range(0, n_exp, per):
+                e1 = min(n_exp, e0 + per)
+                bufs, views = [], []
+                for et in ets:
+                    n = et.expert_nbytes
+                    if _contiguous(et, e0, e1):
+                        path, off, _ = et.pieces[e0]
+                        buf, mv = rd.read(path, off, n * (e1 - e0))
+                        bufs.append(buf)
+                        views.append([mv[i * n:(i + 1) * n] for i in range(e1 - e0)])
+                    else:
+                        got = [rd.read(*et.pieces[e]) for e in range(e0, e1)]
+                        bufs += [g[0] for g in got]
+                        views.append([g[1] for g in got])
+                if not put((lb.layer, e0, e1, views, bufs)):
                     return
-        q.put(None)
+        put(None)
     except BaseException as ex:   # hand the error to the writer thread
-        q.put(ex)
+        put(ex)
 
 
-def _write_experts(plan: _Plan, files: _Files, out: Path, prog: _Progress) -> tuple[list[LayerBlocks], list]:
-    """Returns the layer records with digests, and per (layer, kind) source hashers."""
+def _write_experts(plan: _Plan, rd: Reader, out: Path, prog: _Progress) -> tuple[list[LayerBlocks], list]:
+    """Returns the layer records with digests, and per (layer, kind) source digests."""
     src_hash = {(lb.layer, et.kind): xxhash.xxh3_128() for ets, lb in plan.layers for et in ets}
     digests: dict[int, list[str]] = {lb.layer: [] for _, lb in plan.layers}
-    q: queue.Queue = queue.Queue(maxsize=QUEUE_BLOCKS)
+    q: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
     stop = threading.Event()
-    th = threading.Thread(target=_reader, args=(plan, files, q, stop), daemon=True)
+    th = threading.Thread(target=_reader, args=(plan, rd, q, stop), daemon=True)
     th.start()
     by_layer = {lb.layer: (ets, lb) for ets, lb in plan.layers}
+    w = Writer(out)
     try:
-        with open(out, "wb") as f:
-            while True:
-                item = q.get()
-                if item is None:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                layer, e, raws = item
-                ets, lb = by_layer[layer]
-                buf = bytearray(lb.block_nbytes)
-                for et, rec, raw in zip(ets, lb.tensors, raws):
+        while True:
+            item = q.get()
+            if item is None:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            layer, e0, e1, views, bufs = item
+            ets, lb = by_layer[layer]
+            for i, e in enumerate(range(e0, e1)):
+                h = xxhash.xxh3_128()
+                base = lb.offsets[e]
+                w.pad_to(base)                      # the previous block's alignment padding
+                for et, rec, raws in zip(ets, lb.tensors, views):
+                    raw = raws[i]
                     src_hash[(layer, et.kind)].update(raw)
                     if _byte_exact(rec.codec):
-                        p = rec.parts[0]
-                        buf[p.offset:p.offset + p.nbytes] = raw
+                        parts = [(rec.parts[0], raw)]
                     else:
-                        for a, p in zip(_encode(rec, raw, et.qtype, et.shape), rec.parts):
-                            buf[p.offset:p.offset + p.nbytes] = memoryview(np.ascontiguousarray(a)).cast("B")
+                        parts = [(p, memoryview(np.ascontiguousarray(a)).cast("B"))
+                                 for a, p in zip(_encode(rec, raw, et.qtype, et.shape), rec.parts)]
+                    for p, data in parts:
+                        h.update(_ZEROS[:w.pad_to(base + p.offset)])   # gap between parts
+                        w.write_at(base + p.offset, data)
+                        h.update(data)
                     prog.update(len(raw))
-                digests[layer].append(digest(buf))
-                f.seek(lb.offsets[e])
-                f.write(buf)
-            f.truncate(max(plan.experts_bytes, 1))
-            f.flush()
-            os.fsync(f.fileno())
+                digests[layer].append(h.hexdigest())
+            for b in bufs:
+                b.release()
+    except BaseException:
+        w.abort()
+        raise
     finally:
         stop.set()
         th.join()
+    w.close(max(plan.experts_bytes, 1))
     layers = [LayerBlocks(lb.layer, lb.block_nbytes, lb.tensors, lb.offsets, tuple(digests[lb.layer]))
               for _, lb in plan.layers]
     return layers, [src_hash[k].hexdigest() for k in sorted(src_hash)]
@@ -271,7 +286,7 @@ def pack(source: str | os.PathLike, out: str | os.PathLike, *, alignment: int = 
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    files = _Files(src.files)
+    files = Reader(src.files)
     total = sum(t.nbytes for t, _ in plan.common) + sum(
         et.expert_nbytes * len(et.pieces) for ets, _ in plan.layers for et in ets)
     prog = _Progress(total, progress)
