@@ -9,6 +9,7 @@ Legend: T tokens, C hidden, k experts per token.
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 
 import numpy as np
@@ -49,6 +50,8 @@ class ExpertCache:
         self.held = 0                       # bytes of all slots, in use or free
         self.peak_held = 0
         self.pending: dict[Key, Future] = {}
+        self.load_seconds = 0.0             # wall time spent waiting on demand loads
+        self.demand_loaded_bytes = 0
         self._templates = [[(t.name, t.codec, QT[t.qtype], tuple(t.shape),
                              [p.offset for p in t.parts],
                              [quants.PartSpec(p.name, p.dtype, p.shape) for p in t.parts])
@@ -109,9 +112,12 @@ class ExpertCache:
             for key, slot in jobs:
                 self.pending[key] = self.store.pool.submit(self._read_bind, key, slot)
         else:
+            t0 = time.perf_counter()
             self.store.read_many([(k[0], k[1], s.mm) for k, s in jobs])
             for key, slot in jobs:
                 self._bind(key, slot)
+            self.load_seconds += time.perf_counter() - t0
+            self.demand_loaded_bytes += sum(s.size for _, s in jobs)
 
     def _read_bind(self, key: Key, slot: _Slot) -> None:
         self.store.read_into(key[0], key[1], slot.mm)
@@ -153,6 +159,23 @@ class ExpertCache:
         self._run_prefetch(self.driver.after_layer(layer))
         return out
 
+    def preload(self) -> int:
+        """Fill the cache with blocks in (layer, expert) order until it is full (a warm start,
+        e.g. at 100% cache). Goes through the prefetch path, so it is counted as prefetch."""
+        keys = [(l, e) for l, lb in enumerate(self.index.layers) for e in range(len(lb.offsets))]
+        room = self.capacity - self.core.used_bytes
+        take = []
+        for k in keys:
+            if self.block_bytes(*k) > room:
+                break
+            room -= self.block_bytes(*k)
+            take.append(k)
+        plan = self.driver.prefetch(take)
+        for key in plan.evicted:
+            self._release(key)
+        self._load(plan.loads)
+        return len(plan.loads)
+
     def lookahead(self, keys: list[Key]) -> None:
         """Live-only prefetch (e.g. next-layer router lookahead), through the same budget."""
         self._run_prefetch(self.driver.prefetch(keys))
@@ -160,7 +183,8 @@ class ExpertCache:
     def stats(self) -> dict:
         s = self.core.stats().to_dict()
         s.update(capacity_bytes=self.capacity, held_bytes=self.held, peak_held_bytes=self.peak_held,
-                 minimum_bytes=self.minimum)
+                 minimum_bytes=self.minimum, load_seconds=self.load_seconds,
+                 demand_loaded_bytes=self.demand_loaded_bytes)
         return s
 
     def close(self) -> None:
