@@ -29,7 +29,36 @@ def _load(spec: str):
     return getattr(m, attr) if attr else m
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+def load_config(path: str) -> dict:
+    """A config file's `serve` mapping (as `mawforge tune` writes it), or its top-level mapping.
+    Keys are option names (dashes or underscores); they become defaults, flags override them."""
+    import json
+    from pathlib import Path
+
+    import yaml
+    try:
+        text = Path(path).read_text()
+        d = yaml.safe_load(text) if path.endswith((".yaml", ".yml")) else json.loads(text)
+    except FileNotFoundError:
+        raise MawError(f"--config {path}: no such file") from None
+    except (ValueError, yaml.YAMLError) as e:
+        raise MawError(f"--config {path}: not valid JSON/YAML ({e})") from None
+    d = d.get("serve", d) if isinstance(d, dict) else None
+    if not isinstance(d, dict):
+        raise MawError(f"--config {path}: expected a mapping of option names")
+    return {k.replace("-", "_"): v for k, v in d.items()}
+
+
+def _config_arg(argv: list[str]) -> str | None:
+    for i, a in enumerate(argv):
+        if a == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--config="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def build_parser(only: str | None = None, defaults: dict | None = None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mawforge", description="Run MoE models larger than memory.")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, spec in COMMANDS.items():
@@ -42,6 +71,15 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             continue   # a command whose module is not built yet is simply absent
         p = sub.add_parser(name, help=getattr(cmd, "help", None) or (cmd.__doc__ or "").split("\n")[0])
         cmd.add_arguments(p)
+        if defaults:
+            known = {a.dest for a in p._actions}
+            unknown = sorted(set(defaults) - known)
+            if unknown:
+                raise MawError(f"--config: unknown options for {name}: {', '.join(unknown)}")
+            p.set_defaults(**defaults)
+            for act in p._actions:
+                if act.dest in defaults:
+                    act.required = False   # given by the config file
         p.set_defaults(_main=cmd.main)
     return ap
 
@@ -49,7 +87,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     first = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(first if first in COMMANDS else None).parse_args(argv)
+    try:
+        cfg = _config_arg(argv)
+        defaults = load_config(cfg) if cfg and first in COMMANDS else None
+        args = build_parser(first if first in COMMANDS else None, defaults).parse_args(argv)
+    except MawError as e:
+        print(f"mawforge: error: {e}", file=sys.stderr)
+        return e.exit_code
     try:
         return int(args._main(args) or 0)
     except MawError as e:

@@ -26,7 +26,12 @@ PAGE = 4096
 FRAMEWORK_BYTES = 420 << 20          # RSS of `import torch, mawforge` plus allocator slack (measured)
 DEQUANT_TILE_BYTES = 3 * (1 << 18) * 4
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_DENSE_SUFFIXES = ("_norm.weight", ".bias", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+_DENSE_SUFFIXES = ("_norm.weight", ".bias", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight",
+                   # delta-net and Gemma 4 vectors (same tuple as engine/weights.py)
+                   "_norm_1.weight", "_norm_2.weight", "norm.weight", ".scale", "ssm_a", "ssm_a_log",
+                   "ssm_conv1d.weight", "layer_output_scale.weight", "rope_freqs.weight",
+                   # gpt-oss sinks; DeepSeek MLA up-projections, used per head (absorbed)
+                   "attn_sinks.weight", "attn_kv_b.weight", "attn_k_b.weight", "attn_v_b.weight")
 
 
 def _round_page(n: int) -> int:
@@ -52,6 +57,7 @@ class PackFacts:
     slot_bytes: tuple[int, ...]        # per layer, page-rounded block size
     all_dense_f32: bool
     pack_digest: str
+    kv_layers: tuple = ()              # config.extra["kv_layers"]: per-layer KV or fixed recurrent state
 
     @property
     def expert_bytes(self) -> int:
@@ -78,7 +84,8 @@ class PackFacts:
         return cls(c.arch, c.n_layers, c.n_experts, c.top_k, c.hidden, c.n_heads, c.n_kv_heads,
                    c.head_dim, c.vocab, c.expert_ff, int(man.byte_totals["common_file"]),
                    emb.nbytes if emb else 0, dense,
-                   tuple(_round_page(lb.block_nbytes) for lb in index.layers), all_f32, man.pack_digest)
+                   tuple(_round_page(lb.block_nbytes) for lb in index.layers), all_f32, man.pack_digest,
+                   tuple(c.extra.get("kv_layers") or ()))
 
 
 def kv_dtype_for(f: PackFacts, kv_dtype: str | None) -> str:
@@ -86,7 +93,23 @@ def kv_dtype_for(f: PackFacts, kv_dtype: str | None) -> str:
 
 
 def kv_bytes(f: PackFacts, context: int, kv_dtype: str) -> int:
-    return 2 * f.n_layers * f.n_kv_heads * f.head_dim * context * DTYPE_BYTES[kv_dtype]
+    """KV of attention layers at this context plus the fixed float32 state of recurrent layers."""
+    if not f.kv_layers:
+        return 2 * f.n_layers * f.n_kv_heads * f.head_dim * context * DTYPE_BYTES[kv_dtype]
+    return fixed_state_bytes(f) + context * DTYPE_BYTES[kv_dtype] * sum(
+        2 * s["kv_heads"] * s["head_dim"] if s["kind"] == "kv" else s["dim"] if s["kind"] == "latent" else 0
+        for s in f.kv_layers)
+
+
+def fixed_state_bytes(f: PackFacts) -> int:
+    total = 0
+    for s in f.kv_layers:
+        for shape in (s.get("state") or ()) if s["kind"] == "recurrent" else ():
+            n = 4
+            for d in shape:
+                n *= d
+            total += n
+    return total
 
 
 def overhead_bytes(f: PackFacts, context: int, prefill_chunk: int) -> int:
@@ -171,8 +194,9 @@ def make_plan(f: PackFacts, *, memory_budget_gib: float | None = None, context: 
     if budget is not None:
         room = budget - C - K
         max_pct = max(0.0, min(100.0, 100.0 * room / total)) if room >= f.min_cache_bytes else 0.0
-        per_pos = kv_bytes(f, 1, kvd)
-        max_ctx = max(0, (budget - C - E) // per_pos)
+        fixed = fixed_state_bytes(f) if f.kv_layers else 0
+        per_pos = kv_bytes(f, 1, kvd) - fixed
+        max_ctx = max(0, (budget - C - E - fixed) // per_pos)
     return Plan(not reason, reason, budget, budget_source if budget is not None else "none", context, src,
                 C, E, K, O, L, L + O, total, 100.0 * E / total, f.min_cache_bytes, kvd, max_pct, max_ctx,
                 f.pack_digest)

@@ -137,6 +137,16 @@ def test_stop_string_cuts_the_text(client):
     assert r.choices[0].text == text[:text.index(stop)]
 
 
+def test_seed_top_k_and_min_p_reach_the_sampler(client):
+    ask = lambda **kw: client.completions.create(model=MODEL, prompt="The cache holds", max_tokens=8,
+                                                 **kw).choices[0].text
+    greedy = ask(temperature=0)
+    assert ask(temperature=1.0, extra_body={"top_k": 1}) == greedy          # top-1 sampling is greedy
+    assert ask(temperature=1.0, extra_body={"min_p": 0.999999}) == greedy   # so is min_p near 1
+    seeded = [ask(temperature=1.5, seed=7) for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
 @pytest.mark.parametrize("path,body,status,param", [
     ("/v1/chat/completions", b'{"model": "tiny-qwen3", "messages": [', 400, None),
     ("/v1/chat/completions", b'[1, 2]', 400, None),
@@ -268,6 +278,27 @@ def test_full_queue_answers_429_with_retry_after(gated):
     assert results["first"].status_code == results["second"].status_code == 200
     assert sorted(line["status"] for line in log_lines(log)) == [200, 200, 429]
     assert 'mawforge_requests_total{endpoint="/v1/completions",status="429"} 1' in httpx.get(s.url + "/metrics").text
+
+
+def test_shutdown_cancels_in_flight_work_after_the_grace_and_answers_everyone(rt, tmp_path):
+    gate, log, results = Gate(), tmp_path / "stop.jsonl", {}
+    s = ServerThread(build_app(rt, MODEL, telemetry_log=str(log), generate_fn=gate.generate), grace_s=0.2).start()
+
+    def post(name):
+        results[name] = httpx.post(s.url + "/v1/completions", json={"prompt": name, "max_tokens": 50}, timeout=60)
+
+    threads = [threading.Thread(target=post, args=(n,)) for n in ("running", "queued")]
+    threads[0].start()
+    assert gate.started.wait(60)
+    threads[1].start()
+    wait_for(lambda: httpx.get(s.url + "/health").json()["queue_depth"] == 1, "the second request queued")
+    s.stop()                                          # the gate never opens: only shutdown can end it
+    for t in threads:
+        t.join()
+    running, queued = results["running"], results["queued"]
+    assert running.status_code == 200 and running.json()["choices"][0]["finish_reason"] == "cancelled"
+    assert queued.status_code == 503 and queued.json()["error"]["code"] == "shutting_down"
+    assert sorted(line["status"] for line in log_lines(log)) == [200, 503]
 
 
 def test_api_key_is_required_when_set(rt):

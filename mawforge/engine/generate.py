@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 
 from mawforge.engine.runtime import Runtime
 from mawforge.engine.sampling import Sampler, SamplingParams
+from mawforge.engine.speculative import PlainDecoder
 from mawforge.engine.tokenizer import Detokenizer
 from mawforge.errors import RequestError
 from mawforge.telemetry import Telemetry, peak_rss_bytes, rss_bytes
@@ -66,7 +67,9 @@ def validate(rt: Runtime, prompt: list[int], params: SamplingParams) -> None:
 
 
 def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
-             cancelled: Callable[[], bool] = lambda: False) -> Iterator[Event]:
+             cancelled: Callable[[], bool] = lambda: False, speculative=None) -> Iterator[Event]:
+    """`speculative`: an engine.speculative.Speculator, or None for plain decoding. Either way
+    each step returns the next tokens (one, or accepted drafts plus one) and they stream alike."""
     validate(rt, prompt, params)
     sampler, detok, scan = Sampler(params), Detokenizer(rt.tokenizer), _StopScanner(params.stop)
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else rt.tokenizer.eos_ids)
@@ -75,32 +78,43 @@ def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
     t0 = time.perf_counter()
     rt.reset()
     logits = rt.forward(prompt)[-1]
-    n, reason, t_first = 0, None, None
-    while True:
-        tok = sampler.sample(logits)
-        n += 1
-        if t_first is None:
-            t_first = time.perf_counter()
-        if tok in stop_ids:
-            reason = "stop"
-            text = scan.flush()
-        else:
-            text, hit = scan.feed(detok.push(tok))
-            if hit:
-                reason = "stop"
-        if reason is None and n >= params.max_tokens:
-            reason = "length"
-        if reason is None and rt.kv.pos + 1 > rt.opts.context:
-            reason = "length"
-        if reason is None and cancelled():
-            reason = "cancelled"
-        if reason is not None:
-            if reason == "length":
-                text += scan.flush()
-            yield Event(tok, text, reason, _telemetry(rt, len(prompt), n, t0, t_first, before, emb_before, reason))
-            return
-        yield Event(tok, text)
-        logits = rt.forward([tok], kind="decode")[-1]
+    decoder = speculative.decoder(prompt, params, sampler) if speculative is not None else PlainDecoder(rt, sampler)
+    try:
+        context = list(prompt)
+        batch = [sampler.sample(logits)]
+        n, reason, t_first = 0, None, None
+        while True:
+            for used, tok in enumerate(batch, 1):
+                n += 1
+                context.append(tok)
+                if t_first is None:
+                    t_first = time.perf_counter()
+                if tok in stop_ids:
+                    reason = "stop"
+                    text = scan.flush()
+                else:
+                    text, hit = scan.feed(detok.push(tok))
+                    if hit:
+                        reason = "stop"
+                if reason is None and n >= params.max_tokens:
+                    reason = "length"
+                if reason is None and len(prompt) + n > rt.opts.context:   # no position left to run tok
+                    reason = "length"
+                if reason is None and cancelled():
+                    reason = "cancelled"
+                if reason is not None:
+                    if reason == "length":
+                        text += scan.flush()
+                    decoder.finish(used)
+                    tele = _telemetry(rt, len(prompt), n, t0, t_first, before, emb_before, reason)
+                    tele.speculative = decoder.report() or tele.speculative
+                    yield Event(tok, text, reason, tele)
+                    return
+                yield Event(tok, text)
+            # a step may return up to `room` tokens: the request's remainder and the free KV positions
+            batch = decoder.step(context, min(params.max_tokens - n, rt.opts.context - rt.kv.pos))
+    finally:
+        decoder.close()
 
 
 def _telemetry(rt: Runtime, n_prompt: int, n_out: int, t0: float, t_first: float, before: dict,

@@ -1,19 +1,50 @@
-"""KV cache preallocated for the whole context at load, so its bytes are known up front."""
+"""Per-layer state preallocated for the whole context at load, so its bytes are known up front.
+
+Attention layers keep a KV cache that grows with the context; recurrent layers (gated delta-net)
+keep fixed-size float32 state tensors. The layout comes from `config.extra["kv_layers"]`
+(see formats/config.py); without it every layer is an attention layer of the config's shape.
+"""
 from __future__ import annotations
 
 import torch
 
-from mawforge.errors import RequestError
+from mawforge.errors import RequestError, UnsupportedError
+
+
+def layer_layout(cfg) -> list[dict]:
+    """Per layer: {"kind": "kv", "kv_heads", "head_dim"} or {"kind": "recurrent", "state": [shapes]}."""
+    return list(cfg.extra.get("kv_layers") or
+                [{"kind": "kv", "kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim}] * cfg.n_layers)
 
 
 class KVCache:
-    # k, v: [L, G, ctx, D]
+    # k[layer], v[layer]: [G, ctx, D] (None for recurrent layers); state[layer]: list of f32 tensors
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, context: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, layout: list[dict] | None = None):
         self.context = context
-        self.k = torch.zeros(n_layers, n_kv_heads, context, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        layout = layout or [{"kind": "kv", "kv_heads": n_kv_heads, "head_dim": head_dim}] * n_layers
+        self.k: list[torch.Tensor | None] = []
+        self.v: list[torch.Tensor | None] = []
+        self.state: list[list[torch.Tensor] | None] = []
+        for spec in layout:
+            if spec["kind"] == "kv":
+                k = torch.zeros(spec["kv_heads"], context, spec["head_dim"], dtype=dtype, device=device)
+                self.k.append(k)
+                self.v.append(torch.zeros_like(k))
+                self.state.append(None)
+            elif spec["kind"] == "latent":      # MLA: one compressed row per position, no separate v
+                self.k.append(torch.zeros(context, spec["dim"], dtype=dtype, device=device))
+                self.v.append(None)
+                self.state.append(None)
+            else:
+                self.k.append(None)
+                self.v.append(None)
+                self.state.append([torch.zeros(*s, dtype=torch.float32, device=device) for s in spec["state"]])
         self.pos = 0            # committed positions
+
+    @classmethod
+    def for_config(cls, cfg, context: int, dtype: torch.dtype, device: torch.device) -> "KVCache":
+        return cls(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, context, dtype, device, layer_layout(cfg))
 
     @staticmethod
     def bytes_for(n_layers: int, n_kv_heads: int, head_dim: int, context: int, dtype: torch.dtype) -> int:
@@ -21,7 +52,12 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        kv = sum(t.nbytes for t in self.k + self.v if t is not None)
+        return kv + sum(t.nbytes for s in self.state if s is not None for t in s)
+
+    @property
+    def recurrent(self) -> bool:
+        return any(s is not None for s in self.state)
 
     def check_room(self, n: int) -> None:
         if self.pos + n > self.context:
@@ -31,13 +67,34 @@ class KVCache:
         """Write k, v [T, G, D] at the uncommitted positions; return the layer's [G, S, D] views."""
         T = k.shape[0]
         end = self.pos + T
-        self.k[layer, :, self.pos:end] = k.transpose(0, 1).to(self.k.dtype)
-        self.v[layer, :, self.pos:end] = v.transpose(0, 1).to(self.v.dtype)
-        return self.k[layer, :, :end], self.v[layer, :, :end]
+        kc, vc = self.k[layer], self.v[layer]
+        kc[:, self.pos:end] = k.transpose(0, 1).to(kc.dtype)
+        vc[:, self.pos:end] = v.transpose(0, 1).to(vc.dtype)
+        return kc[:, :end], vc[:, :end]
+
+    def append_latent(self, layer: int, c: torch.Tensor) -> torch.Tensor:
+        """MLA: write latent rows c [T, R] at the uncommitted positions; return the layer's [S, R]."""
+        end = self.pos + c.shape[0]
+        kc = self.k[layer]
+        kc[self.pos:end] = c.to(kc.dtype)
+        return kc[:end]
+
+    def layer_state(self, layer: int) -> list[torch.Tensor]:
+        """The recurrent layer's fixed state tensors, updated in place by the model."""
+        return self.state[layer]
 
     def commit(self, n: int) -> None:
         self.pos += n
 
     def truncate(self, n: int) -> None:
-        """Forget positions >= n (speculative rollback, or a new request)."""
-        self.pos = min(self.pos, n)
+        """Forget positions >= n (speculative rollback, or a new request). Recurrent state holds no
+        positions, so it can only be reset to the start."""
+        if n >= self.pos:
+            return
+        if self.recurrent:
+            if n != 0:
+                raise UnsupportedError("cannot roll back recurrent (delta-net) state to a middle position")
+            for s in self.state:
+                for t in s or ():
+                    t.zero_()
+        self.pos = n

@@ -59,27 +59,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--telemetry-json", action="store_true", help="print telemetry as JSON")
+    from mawforge.engine.speculative import add_speculative_arguments
+    add_speculative_arguments(p)
 
 
 def main(a: argparse.Namespace) -> int:
     from mawforge.engine.generate import generate
     from mawforge.engine.runtime import Runtime
     from mawforge.engine.sampling import SamplingParams
+    from mawforge.engine.speculative import speculator_from_args
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                             min_p=a.min_p, seed=a.seed, stop=tuple(a.stop), ignore_eos=a.ignore_eos)
     recorder = make_recorder(a)
     rt = Runtime(a.pack, runtime_options(a), recorder=recorder)
+    spec = None
     try:
+        spec = speculator_from_args(rt, a)
         text = rt.tokenizer.chat.render([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
         ids = rt.tokenizer.encode(text)
-        for ev in generate(rt, ids, params):
+        for ev in generate(rt, ids, params, speculative=spec):
             sys.stdout.write(ev.text)
             sys.stdout.flush()
             if ev.telemetry is not None:
                 print()
                 t = ev.telemetry
                 print(json.dumps(t.to_dict()) if a.telemetry_json else t.line(), file=sys.stderr)
+                if spec is not None and not a.telemetry_json:
+                    from mawforge.engine.speculative import summary_line
+                    print(summary_line(t.speculative), file=sys.stderr)
     finally:
+        if spec is not None:
+            spec.close()
         rt.close()
         if recorder is not None:
             if not a.lookahead:   # replay can check these counters only without live-only lookahead

@@ -66,8 +66,7 @@ class Runtime:
         self.recorder = recorder
         self.cache = ExpertCache(self.store, self.index, self.plan.E, self.cfg.top_k, self.device,
                                  opts.policy, opts.prefetch, recorder)
-        self.kv = KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim, opts.context,
-                          getattr(torch, self.plan.kv_dtype), self.device)
+        self.kv = KVCache.for_config(self.cfg, opts.context, getattr(torch, self.plan.kv_dtype), self.device)
         self.model = model_class(self.cfg.arch)(self.cfg, self.weights, self.cache, self.device)
         if opts.lookahead:
             self.model.router_hook = self._lookahead

@@ -130,9 +130,10 @@ def open_gguf(path: Path) -> Source:
         if en is None:
             common[t.name] = t
         elif en.expert is None:
-            if len(t.shape) != 3:
+            bias = en.kind.endswith("_bias") and len(t.shape) == 2       # gpt-oss [E, F] expert biases
+            if len(t.shape) != 3 and not bias:
                 raise FormatError(f"{path.name}: expert tensor {t.name} is not 3-D: {list(t.shape)}")
-            e_count, n_rows, k = t.shape
+            e_count, n_rows, k = (t.shape[0], 1, t.shape[1]) if bias else t.shape
             per = t.nbytes // e_count
             experts[(en.layer, en.kind)] = ExpertTensor(
                 en.layer, en.kind, t.qtype, (n_rows, k),

@@ -85,21 +85,25 @@ def open_hf(d: Path) -> Source:
     per_expert: dict[tuple[int, str], dict[int, TensorInfo]] = {}
     experts: dict[tuple[int, str], ExpertTensor] = {}
     for f in files:
-        for name, dtype, shape, off, nbytes in read_safetensors_header(f):
+        for raw_name, dtype, shape, off, nbytes in read_safetensors_header(f):
+            name = names.hf_mtp(raw_name, cfg.n_layers)
+            if dtype not in DTYPES and name.endswith(("_blocks", "_scales")):
+                raise UnsupportedError(f"{f.name}: {name} is MXFP4 (blocks + scales); convert the model to GGUF "
+                                       "with llama.cpp, whose MXFP4 experts MawForge packs byte-exact")
             if dtype not in DTYPES:
                 raise UnsupportedError(f"{f.name}: tensor {name} has dtype {dtype}; "
                                        f"supported: {', '.join(DTYPES)}")
             qt = DTYPES[dtype]
-            en = names.hf_expert(name)
+            en = names.hf_expert(name, cfg.arch)
             if en is not None and en.expert is None:
-                e_count, n_rows, k = shape
+                e_count, n_rows, k = shape if len(shape) == 3 else (shape[0], 1, shape[-1])   # [E, X] biases
                 per = nbytes // e_count
                 experts[(en.layer, en.kind)] = ExpertTensor(
                     en.layer, en.kind, qt, (n_rows, k), tuple((f, off + e * per, per) for e in range(e_count)))
             elif en is not None:
                 per_expert.setdefault((en.layer, en.kind), {})[en.expert] = TensorInfo(name, qt, shape, f, off, nbytes)
             else:
-                canon = names.hf_common(name)
+                canon = names.hf_common(name, cfg.arch)
                 if canon is None:
                     continue   # rotary caches and other buffers the runtime recomputes
                 common[canon] = TensorInfo(canon, qt, shape, f, off, nbytes)

@@ -28,10 +28,69 @@ _HF_COMMON = [
     (r"layers\.(\d+)\.mlp\.shared_expert_gate\.weight", "blk.{0}.ffn_gate_inp_shexp.weight"),
 ]
 
+# Per-architecture HF names, tried before the shared table (llama.cpp's names for that arch).
+_HF_ARCH = {
+    "qwen35moe": [
+        (r"layers\.(\d+)\.post_attention_layernorm\.weight", "blk.{0}.post_attention_norm.weight"),
+        (r"layers\.(\d+)\.linear_attn\.in_proj_qkv\.weight", "blk.{0}.attn_qkv.weight"),
+        (r"layers\.(\d+)\.linear_attn\.in_proj_z\.weight", "blk.{0}.attn_gate.weight"),
+        (r"layers\.(\d+)\.linear_attn\.in_proj_b\.weight", "blk.{0}.ssm_beta.weight"),
+        (r"layers\.(\d+)\.linear_attn\.in_proj_a\.weight", "blk.{0}.ssm_alpha.weight"),
+        (r"layers\.(\d+)\.linear_attn\.conv1d\.weight", "blk.{0}.ssm_conv1d.weight"),
+        (r"layers\.(\d+)\.linear_attn\.dt_bias", "blk.{0}.ssm_dt.bias"),
+        (r"layers\.(\d+)\.linear_attn\.A_log", "blk.{0}.ssm_a_log"),   # llama.cpp stores -exp(A_log) as ssm_a
+        (r"layers\.(\d+)\.linear_attn\.norm\.weight", "blk.{0}.ssm_norm.weight"),
+        (r"layers\.(\d+)\.linear_attn\.out_proj\.weight", "blk.{0}.ssm_out.weight"),
+        # MTP block (after mtp_names() moved it to layer n_layers)
+        (r"layers\.(\d+)\.fc\.weight", "blk.{0}.nextn.eh_proj.weight"),
+        (r"layers\.(\d+)\.pre_fc_norm_embedding\.weight", "blk.{0}.nextn.enorm.weight"),
+        (r"layers\.(\d+)\.pre_fc_norm_hidden\.weight", "blk.{0}.nextn.hnorm.weight"),
+        (r"layers\.(\d+)\.mtp_norm\.weight", "blk.{0}.nextn.shared_head_norm.weight"),
+    ],
+    "gemma4": [
+        (r"layers\.(\d+)\.post_attention_layernorm\.weight", "blk.{0}.post_attention_norm.weight"),
+        (r"layers\.(\d+)\.pre_feedforward_layernorm\.weight", "blk.{0}.ffn_norm.weight"),
+        (r"layers\.(\d+)\.post_feedforward_layernorm\.weight", "blk.{0}.post_ffw_norm.weight"),
+        (r"layers\.(\d+)\.pre_feedforward_layernorm_2\.weight", "blk.{0}.pre_ffw_norm_2.weight"),
+        (r"layers\.(\d+)\.post_feedforward_layernorm_1\.weight", "blk.{0}.post_ffw_norm_1.weight"),
+        (r"layers\.(\d+)\.post_feedforward_layernorm_2\.weight", "blk.{0}.post_ffw_norm_2.weight"),
+        (r"layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", "blk.{0}.ffn_{1}.weight"),
+        (r"layers\.(\d+)\.router\.proj\.weight", "blk.{0}.ffn_gate_inp.weight"),
+        (r"layers\.(\d+)\.router\.scale", "blk.{0}.ffn_gate_inp.scale"),
+        (r"layers\.(\d+)\.router\.per_expert_scale", "blk.{0}.ffn_down_exps.scale"),
+        (r"layers\.(\d+)\.layer_scalar", "blk.{0}.layer_output_scale.weight"),
+    ],
+    "deepseek2": [   # MLA projections, dense first layers, shared experts, router correction bias
+        (r"layers\.(\d+)\.self_attn\.q_a_proj\.weight", "blk.{0}.attn_q_a.weight"),
+        (r"layers\.(\d+)\.self_attn\.q_a_layernorm\.weight", "blk.{0}.attn_q_a_norm.weight"),
+        (r"layers\.(\d+)\.self_attn\.q_b_proj\.weight", "blk.{0}.attn_q_b.weight"),
+        (r"layers\.(\d+)\.self_attn\.kv_a_proj_with_mqa\.weight", "blk.{0}.attn_kv_a_mqa.weight"),
+        (r"layers\.(\d+)\.self_attn\.kv_a_layernorm\.weight", "blk.{0}.attn_kv_a_norm.weight"),
+        (r"layers\.(\d+)\.self_attn\.kv_b_proj\.weight", "blk.{0}.attn_kv_b.weight"),
+        (r"layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", "blk.{0}.ffn_{1}.weight"),
+        (r"layers\.(\d+)\.mlp\.shared_experts\.(gate|up|down)_proj\.weight", "blk.{0}.ffn_{1}_shexp.weight"),
+        (r"layers\.(\d+)\.mlp\.gate\.e_score_correction_bias", "blk.{0}.exp_probs_b.bias"),
+    ],
+    "gpt-oss": [
+        (r"layers\.(\d+)\.post_attention_layernorm\.weight", "blk.{0}.post_attention_norm.weight"),
+        (r"layers\.(\d+)\.self_attn\.o_proj\.bias", "blk.{0}.attn_output.bias"),
+        (r"layers\.(\d+)\.self_attn\.sinks", "blk.{0}.attn_sinks.weight"),
+        (r"layers\.(\d+)\.mlp\.router\.(weight|bias)", "blk.{0}.ffn_gate_inp.{1}"),
+    ],
+}
+
+# Expert kinds whose HF layout differs per arch. GPT-OSS stores experts input-major
+# (x @ W): gate_up_proj [E, H, 2F] with gate/up interleaved in the columns, down_proj [E, F, H].
+_HF_EXPERT_KINDS = {"gpt-oss": {"gate_up": "gate_up_t", "down": "down_t"}}
+
 # HF routed experts: (pattern, kind, fused). Fused = one 3-D parameter for all experts.
 _HF_EXPERTS = [
     (r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.gate_up_proj", "gate_up", True),
     (r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.down_proj", "down", True),
+    (r"layers\.(\d+)\.experts\.gate_up_proj", "gate_up", True),    # gemma4: experts beside the MLP
+    (r"layers\.(\d+)\.experts\.down_proj", "down", True),
+    (r"layers\.(\d+)\.mlp\.experts\.gate_up_proj_bias", "gate_up_bias", True),   # gpt-oss [E, 2F]
+    (r"layers\.(\d+)\.mlp\.experts\.down_proj_bias", "down_bias", True),         # gpt-oss [E, H]
     (r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.gate_proj\.weight", "gate", False),
     (r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.up_proj\.weight", "up", False),
     (r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.down_proj\.weight", "down", False),
@@ -46,6 +105,7 @@ _GGUF_EXPERTS = [
     (r"blk\.(\d+)\.ffn_up_exps\.weight", "up", True),
     (r"blk\.(\d+)\.ffn_down_exps\.weight", "down", True),
     (r"blk\.(\d+)\.ffn_gate_up_exps\.weight", "gate_up", True),
+    (r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.bias", "{}_bias", True),     # gpt-oss [E, F] / [E, H]
     (r"blk\.(\d+)\.ffn_gate\.(\d+)\.weight", "gate", False),
     (r"blk\.(\d+)\.ffn_up\.(\d+)\.weight", "up", False),
     (r"blk\.(\d+)\.ffn_down\.(\d+)\.weight", "down", False),
@@ -63,6 +123,7 @@ def _compile(table):
 
 
 _HF_COMMON_RE = _compile(_HF_COMMON)
+_HF_ARCH_RE = {a: _compile(t) for a, t in _HF_ARCH.items()}
 _HF_EXPERTS_RE = _compile(_HF_EXPERTS)
 _GGUF_EXPERTS_RE = _compile(_GGUF_EXPERTS)
 
@@ -70,23 +131,27 @@ _GGUF_EXPERTS_RE = _compile(_GGUF_EXPERTS)
 def _match_expert(name: str, table) -> ExpertName | None:
     for rx, kind, fused in table:
         m = rx.match(name)
+        if m and "{}" in kind:                     # the role is part of the name (fused only)
+            return ExpertName(int(m.group(1)), kind.format(m.group(2)), None)
         if m:
             return ExpertName(int(m.group(1)), kind, None if fused else int(m.group(2)))
     return None
 
 
-def hf_expert(name: str) -> ExpertName | None:
-    return _match_expert(_strip_model(name), _HF_EXPERTS_RE)
+def hf_expert(name: str, arch: str | None = None) -> ExpertName | None:
+    en = _match_expert(_strip_model(name), _HF_EXPERTS_RE)
+    kinds = _HF_EXPERT_KINDS.get(arch)
+    return en._replace(kind=kinds.get(en.kind, en.kind)) if en is not None and kinds else en
 
 
 def gguf_expert(name: str) -> ExpertName | None:
     return _match_expert(name, _GGUF_EXPERTS_RE)
 
 
-def hf_common(name: str) -> str | None:
+def hf_common(name: str, arch: str | None = None) -> str | None:
     """Canonical name of an HF tensor, or None when the name is not known."""
     n = _strip_model(name)
-    for rx, template in _HF_COMMON_RE:
+    for rx, template in _HF_ARCH_RE.get(arch, []) + _HF_COMMON_RE:
         m = rx.match(n)
         if m:
             return template.format(*m.groups())
@@ -94,4 +159,18 @@ def hf_common(name: str) -> str | None:
 
 
 def _strip_model(name: str) -> str:
-    return name[len("model."):] if name.startswith("model.") else name
+    name = name[len("model."):] if name.startswith("model.") else name
+    # multimodal checkpoints (Qwen3.5, Gemma 4) keep the text model under language_model.
+    return name[len("language_model."):] if name.startswith("language_model.") else name
+
+
+def hf_mtp(name: str, n_layers: int) -> str:
+    """Qwen3.5 keeps its multi-token-prediction block under mtp.*; llama.cpp appends it as layer
+    n_layers. Rename so the common and expert tables apply (mtp.norm -> layers.N.mtp_norm)."""
+    if not name.startswith("mtp."):
+        return name
+    rest = name[len("mtp."):]
+    if rest.startswith("layers."):
+        i, _, tail = rest[len("layers."):].partition(".")
+        return f"layers.{n_layers + int(i)}.{tail}"
+    return f"layers.{n_layers}.{'mtp_norm.weight' if rest == 'norm.weight' else rest}"

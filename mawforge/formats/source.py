@@ -17,7 +17,15 @@ from gguf import GGML_QUANT_SIZES
 from mawforge.errors import FormatError
 from mawforge.formats.config import ModelConfig
 
-EXPERT_KINDS = ("gate", "up", "down", "gate_up")
+EXPERT_KINDS = ("gate", "up", "down", "gate_up", "gate_up_t", "down_t",
+                "gate_bias", "up_bias", "down_bias", "gate_up_bias")
+# The tensor sets one expert block may hold. "_t" kinds are stored input-major (x @ W, HF
+# GPT-OSS); biases travel in the block with their expert (GPT-OSS).
+EXPERT_SETS = (
+    ("gate", "up", "down"), ("down", "gate_up"),
+    ("gate", "up", "down", "gate_bias", "up_bias", "down_bias"),
+    ("gate_up_t", "down_t", "down_bias", "gate_up_bias"),
+)
 
 
 def row_bytes(qtype: QT, k: int) -> int:
@@ -65,7 +73,7 @@ class ExpertTensor:
 
     @property
     def expert_nbytes(self) -> int:
-        return self.pieces[0][2]
+        return self.pieces[0][2] if self.pieces else 0
 
 
 @dataclass
@@ -89,11 +97,30 @@ class Source:
     def expert_kinds(self, layer: int) -> list[str]:
         return [k for k in EXPERT_KINDS if (layer, k) in self.experts]
 
+    def fold_extra_layers(self) -> None:
+        """Routed experts of layers past n_layers (Qwen3.5's MTP block) become common tensors:
+        one 3-D tensor when the experts are contiguous, else one tensor per expert."""
+        for (layer, kind) in [k for k in self.experts if k[0] >= self.config.n_layers]:
+            t = self.experts.pop((layer, kind))
+            (path, off, n), per = t.pieces[0], t.expert_nbytes
+            if all(p == path and o == off + e * per for e, (p, o, _) in enumerate(t.pieces)):
+                name = f"blk.{layer}.ffn_{kind}_exps.weight"
+                self.common[name] = TensorInfo(name, t.qtype, (len(t.pieces), *t.shape), path, off, per * len(t.pieces))
+            else:
+                for e, (p, o, n) in enumerate(t.pieces):
+                    name = f"blk.{layer}.ffn_{kind}.{e}.weight"
+                    self.common[name] = TensorInfo(name, t.qtype, t.shape, p, o, n)
+
     def validate(self) -> None:
         cfg = self.config
+        dense = set(cfg.extra.get("dense_layers", ()))
         for layer in range(cfg.n_layers):
             kinds = self.expert_kinds(layer)
-            if kinds not in (["gate", "up", "down"], ["down", "gate_up"]):
+            if layer in dense:
+                if kinds:
+                    raise FormatError(f"layer {layer} is dense but has routed expert tensors {kinds}")
+                continue
+            if tuple(sorted(kinds)) not in {tuple(sorted(s)) for s in EXPERT_SETS}:
                 raise FormatError(f"layer {layer}: routed expert tensors incomplete (found {kinds})")
             for k in kinds:
                 t = self.experts[(layer, k)]
@@ -125,5 +152,6 @@ def open_source(path: str | os.PathLike) -> Source:
     else:
         from mawforge.formats.gguf import open_gguf
         src = open_gguf(p)
+    src.fold_extra_layers()
     src.validate()
     return src

@@ -6,7 +6,9 @@ S cached positions, E experts, k experts per token, V vocab.
 """
 from __future__ import annotations
 
-from typing import ClassVar
+import math
+from contextvars import ContextVar
+from typing import Callable, ClassVar
 
 import torch
 
@@ -22,18 +24,65 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 class Rope:
     """Rotary embedding; "neox" rotates halves, "norm" rotates interleaved pairs."""
 
-    def __init__(self, head_dim: int, base: float, layout: str, device: torch.device):
+    def __init__(self, head_dim: int, base: float, layout: str, device: torch.device, yarn: dict | None = None):
         self.layout, self.half = layout, head_dim // 2
         self.inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
+        self.mscale = 1.0
+        if yarn:
+            self.inv_freq, self.mscale = _yarn(self.inv_freq, head_dim, base, yarn)
 
     def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:   # x [T, H, D], pos [T]
         ang = (pos.to(torch.float64)[:, None] * self.inv_freq[None]).float()   # [T, D/2]
-        cos, sin = ang.cos()[:, None], ang.sin()[:, None]                       # [T, 1, D/2]
+        cos, sin = ang.cos()[:, None] * self.mscale, ang.sin()[:, None] * self.mscale   # [T, 1, D/2]
         if self.layout == "neox":
             x1, x2 = x[..., :self.half], x[..., self.half:]
             return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         x1, x2 = x[..., 0::2], x[..., 1::2]
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+def rope_rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """NEOX rotation of the first 2*len(inv_freq) dims (halves of that span); the rest pass.
+    x [T, H, D], pos [T], inv_freq [R] float32 (zeros leave their pair unrotated)."""
+    r = inv_freq.shape[0]
+    ang = pos.float()[:, None] * inv_freq[None]                                # [T, R]
+    cos, sin = ang.cos()[:, None], ang.sin()[:, None]                           # [T, 1, R]
+    x1, x2, rest = x[..., :r], x[..., r:2 * r], x[..., 2 * r:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float,
+           window: int | None = None) -> torch.Tensor:
+    """Causal GQA over cached keys. q [T, H, D], keys/vals [G, S, D] (the last T are the chunk's
+    own) -> [T, H*D]. window: a query sees only the last `window` positions (itself included)."""
+    T, H, D = q.shape
+    G, S = keys.shape[0], keys.shape[1]
+    qg = q.view(T, G, H // G, D).permute(1, 2, 0, 3).reshape(G, H // G * T, D)
+    scores = torch.bmm(qg.to(keys.dtype), keys.transpose(1, 2)).float() * scale   # [G, H/G*T, S]
+    qpos = S - T + torch.arange(T, device=q.device)[:, None]                    # [T, 1]
+    kpos = torch.arange(S, device=q.device)[None]                               # [1, S]
+    mask = kpos > qpos
+    if window is not None:
+        mask = mask | (kpos <= qpos - window)
+    scores = scores.view(G, H // G, T, S).masked_fill(mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(G, H // G * T, S)
+    out = torch.bmm(probs.to(vals.dtype), vals).float()                         # [G, H/G*T, D]
+    return out.view(G, H // G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)
+
+
+def _yarn(inv_freq: torch.Tensor, dim: int, base: float, y: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (transformers' _compute_yarn_parameters, llama.cpp's rope_yarn): interpolate the low
+    frequencies by `factor`, keep the high ones, ramp between; cos/sin scaled by attn_factor."""
+    def corr(rot: float) -> float:
+        return dim * math.log(y["original_context"] / (rot * 2 * math.pi)) / (2 * math.log(base))
+    lo, hi = corr(y["beta_fast"]), corr(y["beta_slow"])
+    if y.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    hi = hi + 0.001 if lo == hi else hi
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64, device=inv_freq.device) - lo) / (hi - lo)).clamp(0, 1)
+    keep = 1 - ramp                                                               # 1: extrapolate (high freq)
+    return inv_freq / y["factor"] * (1 - keep) + inv_freq * keep, float(y.get("attn_factor", 1.0))
 
 
 def route_softmax_topk(logits: torch.Tensor, k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +99,10 @@ class MoETransformer:
     hooks that differ: qk normalization, routing, and what runs beside the routed experts."""
 
     registry: ClassVar[dict[str, type["MoETransformer"]]] = {}
+    ffn_norm_name: ClassVar[str] = "ffn_norm.weight"
+    # What one routed expert computes on its block (None: swiglu_expert's SwiGLU). The cache
+    # calls swiglu_expert; forward() makes this model's function current for that call.
+    expert_fn: ClassVar[Callable | None] = None
 
     def __init_subclass__(cls, arch: str | None = None, **kw):
         super().__init_subclass__(**kw)
@@ -109,13 +162,20 @@ class MoETransformer:
 
     def forward(self, tokens: torch.Tensor, pos0: int, kv, all_logits: bool = False) -> torch.Tensor:
         """tokens [T] -> logits [T, V] (or [1, V] for the last position)."""
+        token = _EXPERT_FN.set(self.expert_fn)
+        try:
+            return self._forward(tokens, pos0, kv, all_logits)
+        finally:
+            _EXPERT_FN.reset(token)
+
+    def _forward(self, tokens: torch.Tensor, pos0: int, kv, all_logits: bool) -> torch.Tensor:
         cfg = self.cfg
         pos = torch.arange(pos0, pos0 + tokens.shape[0], device=self.device)
         h = self.w.embed(tokens)                                                  # [T, C] f32
         for layer in range(cfg.n_layers):
             p = f"blk.{layer}."
             h = h + self.attention(layer, rms_norm(h, self.w.dense(p + "attn_norm.weight"), cfg.norm_eps), pos, kv)
-            x = rms_norm(h, self.w.dense(p + "ffn_norm.weight"), cfg.norm_eps)
+            x = rms_norm(h, self.w.dense(p + self.ffn_norm_name), cfg.norm_eps)
             if self.router_hook is not None:
                 self.router_hook(layer, x)
             h = h + self.ffn(layer, x)
@@ -123,8 +183,14 @@ class MoETransformer:
         return linear(h, self.w.head()).float()                                   # [T, V]
 
 
+_EXPERT_FN: ContextVar[Callable | None] = ContextVar("expert_fn", default=None)
+
+
 def swiglu_expert(x: torch.Tensor, parts: dict) -> torch.Tensor:
     """One expert on its tokens. parts: kind -> PackedWeight (gate, up, down or gate_up, down)."""
+    fn = _EXPERT_FN.get()
+    if fn is not None:
+        return fn(x, parts)
     if "gate_up" in parts:
         gu = linear(x, parts["gate_up"])
         g, u = gu.chunk(2, dim=-1)

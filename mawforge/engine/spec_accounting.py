@@ -1,0 +1,136 @@
+"""MoE-aware accounting for speculative decoding (MawForge §VII-E), free of torch.
+
+A verify step runs [last] + k drafts through the expert cache in one batch, so each MoE layer
+touches the *union* of several tokens' experts, including those of drafts that are then
+rejected. Three pieces measure what that costs:
+
+- `RouteTap` sits on the expert cache's recorder hook and keeps the step's routing per layer;
+- `Counterfactual` replays, through a copy of the live cache core and the same policy code,
+  only the positions plain decoding would have run (one token per step), so
+  live minus counterfactual is the extra materialization speculation caused, per step;
+- `AutoController` alternates short windows of speculative and plain decoding, keeps a running
+  tokens/s estimate of each, and speculates only while that estimate wins.
+
+Legend: T tokens in a step, k experts per token.
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+from mawforge.cache.core import RouteDriver
+
+COUNTERS = ("hits", "misses", "evictions", "materialized_bytes", "prefetch_issued_bytes")
+
+
+def counters(core) -> dict:
+    s = core.stats()
+    return {k: getattr(s, k) for k in COUNTERS}
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in COUNTERS}
+
+
+class RouteTap:
+    """A recorder that keeps the routing of the steps since `clear()` and forwards every call
+    to the recorder it wraps (a route-trace recorder, or None)."""
+
+    def __init__(self, inner=None) -> None:
+        self.inner = inner
+        self.rows: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+
+    def clear(self) -> None:
+        self.rows = {}
+
+    def begin_step(self, kind: str, n_tokens: int) -> None:
+        if self.inner is not None:
+            self.inner.begin_step(kind, n_tokens)
+
+    def record(self, layer: int, idx: np.ndarray, w: np.ndarray) -> None:
+        self.rows.setdefault(layer, []).append((idx.copy(), w.copy()))     # [T, k] each
+        if self.inner is not None:
+            self.inner.record(layer, idx, w)
+
+    def routing(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """layer -> (experts [T, k], weights [T, k]) over every chunk since clear()."""
+        return {l: (np.concatenate([i for i, _ in r]), np.concatenate([w for _, w in r]))
+                for l, r in self.rows.items()}
+
+    def union_per_layer(self) -> list[int]:
+        return [len(np.unique(idx)) for _, (idx, _) in sorted(self.routing().items())]
+
+
+class Counterfactual:
+    """Plain decoding's cache, run beside the live one: a copy of the live core (and prefetcher)
+    taken when decoding starts, fed one token per step with the routing the live verify steps
+    saw for the positions that were kept. Exact when routing is position-wise identical (it is:
+    same tokens, same KV); live-only router lookahead prefetch is not replayed."""
+
+    def __init__(self, cache) -> None:
+        self.core = copy.deepcopy(cache.core)
+        self.driver = RouteDriver(self.core, cache.block_bytes, copy.deepcopy(cache.driver.prefetcher))
+
+    def run(self, routing: dict[int, tuple[np.ndarray, np.ndarray]], n_tokens: int) -> dict:
+        """Replay the first n_tokens positions as single-token steps; returns the counter delta."""
+        before = counters(self.core)
+        layers = sorted(routing)
+        for t in range(n_tokens):
+            self.driver.begin_step("decode", 1)
+            for layer in layers:
+                idx, w = routing[layer]
+                for _ in self.driver.layer(layer, idx[t:t + 1], w[t:t + 1]):
+                    pass
+                self.driver.after_layer(layer)
+            self.driver.end_step()
+        return delta(counters(self.core), before)
+
+
+class AutoController:
+    """Chooses 'spec' or 'plain' per window of `window` emitted tokens. Each mode's tokens/s is
+    an exponential moving average over its windows (time measured inside the engine only, so
+    materialization stalls count against the mode that caused them). It explores both modes
+    first, then runs the faster one, re-probing the slower one window in every `probe_every`
+    so a shift in route locality or acceptance is noticed."""
+
+    MODES = ("spec", "plain")
+
+    def __init__(self, window: int = 8, probe_every: int = 4, alpha: float = 0.5) -> None:
+        self.window, self.probe_every, self.alpha = window, probe_every, alpha
+        self.rate: dict[str, float | None] = {m: None for m in self.MODES}
+        self.windows = {m: 0 for m in self.MODES}
+        self.current = "spec"
+        self._tokens, self._seconds, self._since_probe = 0, 0.0, 0
+
+    def mode(self) -> str:
+        return self.current
+
+    def record(self, mode: str, tokens: int, seconds: float) -> None:
+        self._tokens += tokens
+        self._seconds += seconds
+        if self._tokens < self.window:
+            return
+        rate = self._tokens / max(self._seconds, 1e-9)
+        old = self.rate[mode]
+        self.rate[mode] = rate if old is None else self.alpha * rate + (1 - self.alpha) * old
+        self.windows[mode] += 1
+        self._tokens, self._seconds = 0, 0.0
+        self.current = self._next()
+
+    def _next(self) -> str:
+        unknown = [m for m in self.MODES if self.rate[m] is None]
+        if unknown:
+            return unknown[0]
+        best = max(self.MODES, key=lambda m: self.rate[m])
+        other = "plain" if best == "spec" else "spec"
+        self._since_probe += 1
+        if self._since_probe >= self.probe_every:
+            self._since_probe = 0
+            return other
+        return best
+
+    def report(self) -> dict:
+        return {"window_tokens": self.window, "spec_tok_s": self.rate["spec"], "plain_tok_s": self.rate["plain"],
+                "spec_windows": self.windows["spec"], "plain_windows": self.windows["plain"],
+                "speculating": self.current == "spec"}

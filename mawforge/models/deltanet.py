@@ -1,0 +1,86 @@
+"""Gated delta-net (linear attention) as in Qwen3-Next / Qwen3.5: a causal depthwise convolution
+over the mixed q|k|v projection, then the gated delta rule run token by token over a fixed
+[Hv, Dk, Dv] state, then a gated RMSNorm and the output projection.
+
+Legend: T tokens in the chunk, C hidden, Ch conv channels (2*Hk*Dk + Hv*Dv), K conv kernel,
+Hk key heads, Hv value heads, Dk key head dim, Dv value head dim.
+
+Checkpoint layouts differ in three ways, all read from config.extra["linear"] or the names:
+HF keeps A_log (llama.cpp stores ssm_a = -exp(A_log)); HF orders value heads grouped by key
+head (v head j reads k head j // (Hv/Hk)), llama.cpp tiles them (k head j % Hk); the conv
+kernel is [Ch, 1, K] in HF and [Ch, K] in GGUF (same bytes).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mawforge.kernels import linear
+
+
+def causal_conv(x: torch.Tensor, state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, Ch], state [Ch, K-1] (the previous K-1 inputs, updated in place), w [Ch, K] -> silu(conv) [T, Ch]."""
+    xs = torch.cat((state, x.T.to(state.dtype)), dim=1)                        # [Ch, K-1+T]
+    state.copy_(xs[:, xs.shape[1] - state.shape[1]:])
+    out = F.conv1d(xs[None], w[:, None, :], groups=w.shape[0])[0]              # [Ch, T]
+    return F.silu(out).T
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """q, k [T, Hv, Dk] (l2-normed, q scaled), v [T, Hv, Dv], g, beta [T, Hv]; state [Hv, Dk, Dv]
+    updated in place -> out [T, Hv, Dv]. One token at a time: correctness first."""
+    out = torch.empty_like(v)
+    S = state
+    for t in range(q.shape[0]):
+        S = S * g[t].exp()[:, None, None]
+        mem = (S * k[t][:, :, None]).sum(1)                                     # [Hv, Dv]
+        delta = (v[t] - mem) * beta[t][:, None]
+        S = S + k[t][:, :, None] * delta[:, None, :]
+        out[t] = (S * q[t][:, :, None]).sum(1)
+    state.copy_(S)
+    return out
+
+
+class DeltaNetMixer:
+    """One linear-attention layer's token mixer over CommonWeights names blk.N.{attn_qkv, attn_gate,
+    ssm_beta, ssm_alpha, ssm_conv1d, ssm_dt.bias, ssm_a | ssm_a_log, ssm_norm, ssm_out}."""
+
+    def __init__(self, weights, spec: dict, eps: float):
+        self.w, self.eps = weights, eps
+        self.hk, self.hv, self.dk, self.dv = spec["k_heads"], spec["v_heads"], spec["k_dim"], spec["v_dim"]
+        self.tiled = spec.get("v_order", "grouped") == "tiled"
+        self._a: dict[int, torch.Tensor] = {}
+
+    def decay_rate(self, layer: int) -> torch.Tensor:
+        """-exp(A_log) per value head [Hv]."""
+        if layer not in self._a:
+            p = f"blk.{layer}."
+            self._a[layer] = (self.w.dense(p + "ssm_a") if self.w.has(p + "ssm_a")
+                              else -self.w.dense(p + "ssm_a_log").exp()).reshape(-1)
+        return self._a[layer]
+
+    def __call__(self, layer: int, x: torch.Tensor, state: list[torch.Tensor]) -> torch.Tensor:
+        p, T = f"blk.{layer}.", x.shape[0]
+        hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
+        mixed = linear(x, self.w.packed(p + "attn_qkv.weight")).float()          # [T, Ch]
+        z = linear(x, self.w.packed(p + "attn_gate.weight")).float().view(T, hv, dv)
+        b = linear(x, self.w.packed(p + "ssm_beta.weight")).float()              # [T, Hv]
+        a = linear(x, self.w.packed(p + "ssm_alpha.weight")).float()
+        conv_w = self.w.dense(p + "ssm_conv1d.weight")
+        mixed = causal_conv(mixed, state[0], conv_w.reshape(conv_w.shape[0], -1))
+        q, k, v = mixed.split((hk * dk, hk * dk, hv * dv), dim=-1)
+        q, k = l2norm(q.reshape(T, hk, dk)) * dk ** -0.5, l2norm(k.reshape(T, hk, dk))
+        if hv != hk:
+            r = hv // hk
+            q, k = ((q.repeat(1, r, 1), k.repeat(1, r, 1)) if self.tiled
+                    else (q.repeat_interleave(r, 1), k.repeat_interleave(r, 1)))    # [T, Hv, Dk]
+        g = self.decay_rate(layer) * F.softplus(a + self.w.dense(p + "ssm_dt.bias"))
+        o = gated_delta_rule(q, k, v.reshape(T, hv, dv), g, torch.sigmoid(b), state[1])
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.w.dense(p + "ssm_norm.weight")
+        o = (o * F.silu(z)).reshape(T, hv * dv)
+        return linear(o, self.w.packed(p + "ssm_out.weight")).float()

@@ -1,0 +1,136 @@
+"""Qwen3.5 / 3.6 MoE (HF `qwen3_5_moe`, GGUF `qwen35moe`): a hybrid stack where most layers mix
+tokens with a gated delta-net (models/deltanet.py, fixed recurrent state) and every n-th layer
+runs full attention whose q projection also yields a per-channel output gate
+(out * sigmoid(gate)), with per-head q/k RMSNorm and RoPE on the first rope_dim dims only.
+Every layer's FFN is routed experts (softmax, renormalized top-k) plus a shared expert scaled by
+a sigmoid gate. HF RMSNorm weights are zero-centred (x * (1 + w)); llama.cpp's converter stores
+1 + w, so config.extra["norm_offset"] says which (the delta-net's gated norm is plain in both).
+
+The MTP block (llama.cpp's layer n_layers, kept as common tensors) drafts one token ahead:
+`mtp_logits(hidden, tokens, pos0, mtp_kv)` — see its docstring.
+
+Legend: T tokens in the chunk, C hidden, H heads, G kv heads, D head dim, V vocab, k experts per token.
+"""
+from __future__ import annotations
+
+import torch
+
+from mawforge.engine.kv import KVCache
+from mawforge.formats import quants
+from mawforge.kernels import linear
+from mawforge.models.base import MoETransformer, attend, rms_norm, rope_rotate, route_softmax_topk
+from mawforge.models.deltanet import DeltaNetMixer
+
+
+class Qwen35Moe(MoETransformer, arch="qwen35moe"):
+    def __init__(self, cfg, weights, experts, device):
+        super().__init__(cfg, weights, experts, device)
+        x = cfg.extra
+        self.full = [t == "full" for t in x["layer_types"]]
+        self.offset = float(x.get("norm_offset", 0.0))
+        rd = int(x["rope_dim"])
+        self.inv_freq = (1.0 / cfg.rope_base ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd)).to(device)
+        self.mixer = DeltaNetMixer(weights, x["linear"], cfg.norm_eps)
+        self._norms: dict[str, torch.Tensor] = {}
+
+    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        if name not in self._norms:
+            self._norms[name] = self.w.dense(name) + self.offset
+        return rms_norm(x, self._norms[name], self.cfg.norm_eps)
+
+    def beside_experts(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """The shared expert times sigmoid(h . w_gate); the gate is [1, C] in HF, [C] in GGUF."""
+        p = f"blk.{layer}."
+        g = linear(h, self.w.packed(p + "ffn_gate_shexp.weight")).float()           # [T, F_sh]
+        u = linear(h, self.w.packed(p + "ffn_up_shexp.weight")).float()
+        y = linear(torch.nn.functional.silu(g) * u, self.w.packed(p + "ffn_down_shexp.weight")).float()
+        return torch.sigmoid(h @ self.w.dense(p + "ffn_gate_inp_shexp.weight").reshape(-1, 1)) * y
+
+    def attention(self, layer: int, x: torch.Tensor, pos: torch.Tensor, kv) -> torch.Tensor:
+        cfg, T, p = self.cfg, x.shape[0], f"blk.{layer}."
+        H, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qg = linear(x, self.w.packed(p + "attn_q.weight")).float().view(T, H, 2 * D)
+        q, gate = qg[..., :D], qg[..., D:].reshape(T, H * D)
+        k = linear(x, self.w.packed(p + "attn_k.weight")).float().view(T, G, D)
+        v = linear(x, self.w.packed(p + "attn_v.weight")).float().view(T, G, D)
+        q = rope_rotate(self.norm(q, p + "attn_q_norm.weight"), pos, self.inv_freq)
+        k = rope_rotate(self.norm(k, p + "attn_k_norm.weight"), pos, self.inv_freq)
+        keys, vals = kv.append(layer, k, v)                                       # [G, S, D]
+        out = attend(q, keys, vals, D ** -0.5) * torch.sigmoid(gate)               # [T, H*D]
+        return linear(out, self.w.packed(p + "attn_output.weight")).float()
+
+    def layer(self, layer: int, h: torch.Tensor, pos: torch.Tensor, kv) -> torch.Tensor:
+        p = f"blk.{layer}."
+        x = self.norm(h, p + "attn_norm.weight")
+        mix = self.attention(layer, x, pos, kv) if self.full[layer] else self.mixer(layer, x, kv.layer_state(layer))
+        h = h + mix
+        x = self.norm(h, p + "post_attention_norm.weight")
+        if self.router_hook is not None:
+            self.router_hook(layer, x)
+        return h + self.ffn(layer, x)
+
+    def hidden(self, tokens: torch.Tensor, pos0: int, kv) -> torch.Tensor:
+        """tokens [T] -> final-normed hidden states [T, C] (the LM head's and the MTP's input)."""
+        pos = torch.arange(pos0, pos0 + tokens.shape[0], device=self.device)
+        h = self.w.embed(tokens)
+        for layer in range(self.cfg.n_layers):
+            h = self.layer(layer, h, pos, kv)
+        return self.norm(h, "output_norm.weight")
+
+    def _forward(self, tokens: torch.Tensor, pos0: int, kv, all_logits: bool = False) -> torch.Tensor:
+        h = self.hidden(tokens, pos0, kv)
+        return linear(h if all_logits else h[-1:], self.w.head()).float()          # [T, V]
+
+    # ---- multi-token prediction ---------------------------------------------------------
+    @property
+    def has_mtp(self) -> bool:
+        return int(self.cfg.extra.get("mtp_layers", 0)) > 0 and self.w.has(f"blk.{self.cfg.n_layers}.nextn.eh_proj.weight")
+
+    def mtp_cache(self, context: int, dtype: torch.dtype = torch.float32) -> KVCache:
+        """The MTP block's own one-layer KV cache (its layer index is n_layers)."""
+        c = self.cfg
+        layout = [{"kind": "recurrent", "state": []}] * c.n_layers + [
+            {"kind": "kv", "kv_heads": c.n_kv_heads, "head_dim": c.head_dim}]
+        return KVCache(c.n_layers + 1, c.n_kv_heads, c.head_dim, context, dtype, self.device, layout)
+
+    def mtp_logits(self, hidden: torch.Tensor, tokens: torch.Tensor, pos0: int, mtp_kv: KVCache) -> torch.Tensor:
+        """Draft logits [T, V] for positions pos0+1.. : hidden [T, C] is `hidden()` at positions
+        pos0.., tokens [T] the tokens at pos0+1.. (the ones that follow). As llama.cpp's
+        qwen35moe MTP graph: eh_proj(cat(enorm(embed(tok)), hnorm(hidden))), one full-attention
+        MoE block at position pos0.., shared_head_norm, LM head. The caller commits mtp_kv."""
+        L, p = self.cfg.n_layers, f"blk.{self.cfg.n_layers}."
+        e = self.norm(self.w.embed(tokens), p + "nextn.enorm.weight")
+        hh = self.norm(hidden, p + "nextn.hnorm.weight")
+        h = linear(torch.cat((e, hh), dim=-1), self.w.packed(p + "nextn.eh_proj.weight")).float()
+        pos = torch.arange(pos0, pos0 + tokens.shape[0], device=self.device)
+        h = h + self.attention(L, self.norm(h, p + "attn_norm.weight"), pos, mtp_kv)
+        x = self.norm(h, p + "post_attention_norm.weight")
+        logits = x @ self.w.dense(p + "ffn_gate_inp.weight").T
+        idx, wts = route_softmax_topk(logits, self.cfg.top_k, self.cfg.norm_topk_prob)
+        h = h + self._mtp_experts(L, x, idx, wts) + self.beside_experts(L, x)
+        norm = p + "nextn.shared_head_norm.weight"
+        return linear(self.norm(h, norm if self.w.has(norm) else "output_norm.weight"), self.w.head()).float()
+
+    def _mtp_experts(self, layer: int, x: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
+        """The MTP block's routed experts live in common tensors (3-D ffn_*_exps, or per expert)."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(idx).tolist():
+            rows, slot = (idx == e).nonzero(as_tuple=True)
+            parts = {kind: self._mtp_expert(layer, kind, e) for kind in ("gate", "up", "down", "gate_up")}
+            xe = x[rows]
+            if parts["gate_up"] is not None:
+                g, u = (xe @ parts["gate_up"].T).chunk(2, dim=-1)
+            else:
+                g, u = xe @ parts["gate"].T, xe @ parts["up"].T
+            y = (torch.nn.functional.silu(g) * u) @ parts["down"].T
+            out.index_add_(0, rows, y * wts[rows, slot, None])
+        return out
+
+    def _mtp_expert(self, layer: int, kind: str, e: int) -> torch.Tensor | None:
+        per, fused = f"blk.{layer}.ffn_{kind}.{e}.weight", f"blk.{layer}.ffn_{kind}_exps.weight"
+        if self.w.has(per):
+            return quants.dequantize(self.w.packed(per)).float()
+        if not self.w.has(fused):
+            return None
+        rec = self.w.records[fused]
+        return quants.dequantize(self.w.packed(fused)).float().view(rec.shape)[e]

@@ -1,0 +1,362 @@
+"""`mawforge serve`: an OpenAI-compatible HTTP server (starlette + uvicorn) over one runtime.
+
+    GET  /health  /metrics  /v1/models  /v1/models/{id}
+    POST /v1/chat/completions  /v1/completions          (stream true/false)
+Every answer carries `usage` and `telemetry` (docs/telemetry.md); every request appends one
+line to --telemetry-log. One engine thread serves a bounded FIFO queue (429 when full).
+In-process use (tests, bench):  with ServerThread(build_app(rt, "tiny")) as s: s.url
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import os
+import socket
+import sys
+import threading
+from pathlib import Path
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+from mawforge.engine.generate import validate
+from mawforge.engine.run import add_runtime_arguments, make_recorder, runtime_options
+from mawforge.errors import BudgetRejected, MawError, RequestError
+from mawforge.serve import protocol as P
+from mawforge.serve.worker import Channel, EngineWorker, Failure, Job, Ledger, QueueFull, ShuttingDown
+from mawforge.telemetry import peak_rss_bytes, rss_bytes
+
+help = "serve a pack over an OpenAI-compatible HTTP API, with per-request telemetry"
+
+
+def error_response(e: P.ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    """The body is read; the next ASGI message can only be the client going away."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            job.cancel.set()
+            return
+
+
+class Api:
+    def __init__(self, rt, model_id: str, worker: EngineWorker, ledger: Ledger, api_key: str | None,
+                 max_tokens_default: int):
+        self.rt, self.model_id, self.worker, self.ledger = rt, model_id, worker, ledger
+        self.api_key, self.max_tokens_default = api_key, max_tokens_default
+        self.created = P.now()
+        self.card = {"pack_digest": rt.manifest.pack_digest, "context": rt.opts.context,
+                     "architecture": rt.cfg.arch, "chat_template": "model" if not rt.tokenizer.chat.is_default
+                     else "default (ChatML)"}
+
+    # ---- small endpoints ----
+    async def health(self, request: Request) -> JSONResponse:
+        closing = self.worker.closing
+        return JSONResponse({"status": "shutting_down" if closing else "ok", "model": self.model_id,
+                             "queue_depth": self.worker.queue_depth, "busy": self.worker.current is not None},
+                            status_code=503 if closing else 200)
+
+    async def metrics(self, request: Request) -> PlainTextResponse:
+        p = self.rt.plan
+        gauges = {"queue_depth": (self.worker.queue_depth, "requests waiting for the engine"),
+                  "busy": (int(self.worker.current is not None), "1 while a generation runs"),
+                  "queue_capacity": (self.worker.q.maxsize, "--queue-size"),
+                  "context_tokens": (self.rt.opts.context, "KV cache length"),
+                  "expert_cache_bytes": (p.E, "expert cache budget E"),
+                  "kv_cache_bytes": (p.K, "KV cache bytes K"),
+                  "resident_common_bytes": (p.C, "resident common bytes C"),
+                  "planned_footprint_bytes": (p.F, "planned footprint F = C + E + K + O"),
+                  "budget_bytes": (p.budget_bytes or 0, "memory budget (0 = none given)"),
+                  "rss_bytes": (rss_bytes(), "resident set of the server process"),
+                  "peak_rss_bytes": (peak_rss_bytes(), "peak resident set of the server process")}
+        return PlainTextResponse(self.ledger.prometheus(gauges), media_type="text/plain; version=0.0.4")
+
+    async def models(self, request: Request) -> JSONResponse:
+        self._auth(request)
+        return JSONResponse(P.models_list(self.model_id, self.created, self.card))
+
+    async def model(self, request: Request) -> JSONResponse:
+        self._auth(request)
+        if request.path_params["model"] != self.model_id:
+            raise P.ApiError(404, f"the model {request.path_params['model']!r} does not exist",
+                             param="model", code="model_not_found")
+        return JSONResponse(P.model_card(self.model_id, self.created, self.card))
+
+    def _auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise P.ApiError(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                             code="invalid_api_key")
+
+    # ---- completions ----
+    async def chat(self, request: Request):
+        return await self._complete("chat", request)
+
+    async def completions(self, request: Request):
+        return await self._complete("completion", request)
+
+    def _prompt_ids(self, req: P.ApiRequest) -> list[int]:
+        tok = self.rt.tokenizer
+        if req.kind == "chat":
+            return tok.encode(tok.chat.render(list(req.messages), add_generation_prompt=True))
+        if req.prompt is not None:
+            return tok.encode(req.prompt)
+        vocab = self.rt.cfg.vocab
+        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise P.ApiError(400, f"token id {bad[0]} is outside the vocabulary of {vocab}", param="prompt")
+        return list(req.prompt_ids)
+
+    def _admit(self, kind: str, rid: str, raw: bytes, request: Request) -> tuple[P.ApiRequest, Job]:
+        self._auth(request)
+        req = P.parse_request(kind, P.parse_body(raw), self.model_id, self.max_tokens_default)
+        try:
+            ids = self._prompt_ids(req)
+            validate(self.rt, ids, req.params)
+        except RequestError as e:
+            code = "context_length_exceeded" if "context" in str(e) else None
+            raise P.ApiError(400, str(e), param="messages" if kind == "chat" else "prompt", code=code) from None
+        job = Job(rid, req.endpoint, ids, req.params, Channel(), stream=req.stream)
+        try:
+            self.worker.submit(job)
+        except QueueFull as e:
+            raise P.ApiError(429, str(e), type="rate_limit_error", code="queue_full",
+                             headers={"Retry-After": str(e.retry_after_s)}) from None
+        except ShuttingDown as e:
+            raise P.ApiError(503, str(e), type="server_error", code="shutting_down") from None
+        return req, job
+
+    async def _complete(self, kind: str, request: Request):
+        rid = P.new_request_id(kind)
+        try:
+            req, job = self._admit(kind, rid, await request.body(), request)
+        except P.ApiError as e:
+            self.ledger.record(rid, P.ENDPOINTS[kind], e.status, error=e.message)
+            return error_response(e)
+        watcher = asyncio.ensure_future(_watch_disconnect(request, job))
+        streaming = False
+        try:
+            first = await job.channel.__anext__()    # wait in the queue; a Failure here is a real status
+            if isinstance(first, Failure):
+                return error_response(P.ApiError(first.status, first.message, first.type, code=first.code))
+            if req.stream:
+                streaming = True                     # from here _sse owns the job and its cancellation
+                return StreamingResponse(self._sse(req, job, rid, first), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+            return await self._whole(req, job, rid, first)
+        finally:
+            watcher.cancel()                         # StreamingResponse watches for disconnects itself
+            if not streaming:
+                job.cancel.set()                     # a no-op when finished; stops it if this task was cancelled
+
+    async def _whole(self, req: P.ApiRequest, job: Job, rid: str, first) -> JSONResponse:
+        parts, ev = [first.text], first
+        while ev.finish_reason is None:
+            ev = await job.channel.__anext__()
+            if isinstance(ev, Failure):
+                return error_response(P.ApiError(ev.status, ev.message, ev.type, code=ev.code))
+            parts.append(ev.text)
+        tel = ev.telemetry
+        body = P.response(req.kind, rid, P.now(), self.model_id, "".join(parts), tel.finish_reason,
+                          P.usage(tel.prompt_tokens, tel.completion_tokens), tel.to_dict())
+        return JSONResponse(body, headers={"X-Request-Id": rid})
+
+    async def _sse(self, req: P.ApiRequest, job: Job, rid: str, first):
+        """One content chunk per generated token (so chunks == completion_tokens), then the finish
+        chunk, then the usage chunk if asked; the last chunk before [DONE] carries telemetry."""
+        created, kind, model = P.now(), req.kind, self.model_id
+        try:
+            ev, role = first, True
+            while True:
+                if isinstance(ev, Failure):
+                    yield P.sse(P.ApiError(ev.status, ev.message, ev.type, code=ev.code).body())
+                    break
+                yield P.sse(P.chunk(kind, rid, created, model, text=ev.text, role=role))
+                role = False
+                if ev.finish_reason is not None:
+                    t = ev.telemetry
+                    tel, use = t.to_dict(), P.usage(t.prompt_tokens, t.completion_tokens)
+                    yield P.sse(P.chunk(kind, rid, created, model, finish=t.finish_reason,
+                                        telemetry=None if req.include_usage else tel))
+                    if req.include_usage:
+                        yield P.sse(P.chunk(kind, rid, created, model, use=use, telemetry=tel, choices=False))
+                    break
+                ev = await job.channel.__anext__()
+            yield P.sse("[DONE]")
+        finally:
+            job.cancel.set()       # no effect once finished; stops the engine if the client left
+
+
+def build_app(rt, model_id: str, *, api_key: str | None = None, max_tokens_default: int = 96,
+              queue_size: int = 64, telemetry_log: str | None = None, generate_fn=None,
+              close_timeout_s: float | None = 60.0) -> Starlette:
+    """The ASGI app. The engine thread starts with the app's lifespan and stops with it;
+    the runtime stays the caller's to close. `generate_fn` replaces engine.generate (tests)."""
+    ledger = Ledger(telemetry_log)
+    kw = {"generate_fn": generate_fn} if generate_fn is not None else {}
+    worker = EngineWorker(rt, ledger, queue_size, **kw)
+    api = Api(rt, model_id, worker, ledger, api_key, max_tokens_default)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(worker.close, close_timeout_s)
+            ledger.close()
+
+    async def api_error(request, e: P.ApiError):
+        return error_response(e)
+
+    async def http_error(request, e: HTTPException):
+        return error_response(P.ApiError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404
+                                         else None, headers=dict(e.headers or {})))
+
+    async def crash(request, e: Exception):
+        return error_response(P.ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+
+    routes = [Route("/health", api.health), Route("/metrics", api.metrics), Route("/v1/models", api.models),
+              Route("/v1/models/{model:path}", api.model),
+              Route("/v1/chat/completions", api.chat, methods=["POST"]),
+              Route("/v1/completions", api.completions, methods=["POST"])]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={P.ApiError: api_error, HTTPException: http_error, Exception: crash})
+    app.state.worker, app.state.ledger, app.state.api = worker, ledger, api
+    return app
+
+
+# ---- running it ---------------------------------------------------------------------------
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=128)
+    except OSError as e:
+        raise MawError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+class _Server(uvicorn.Server):
+    """uvicorn that reports the bound address once it accepts connections, and at shutdown
+    refuses new jobs, lets in-flight ones run for grace_s, then cancels them in the engine, so
+    every client still gets a well-formed answer. uvicorn's own task cancellation (grace_s + 10)
+    is only the backstop for a forward pass that never returns."""
+
+    def __init__(self, app, log_level: str, grace_s: float | None, on_listen=None):
+        super().__init__(uvicorn.Config(app, log_level=log_level, lifespan="on",
+                                        timeout_graceful_shutdown=None if grace_s is None else grace_s + 10))
+        self.worker: EngineWorker | None = getattr(app.state, "worker", None)
+        self.on_listen, self.url, self.grace_s = on_listen, None, grace_s
+
+    async def shutdown(self, sockets=None):
+        if self.worker is not None:
+            self.worker.closing = True
+            if self.grace_s is not None:
+                asyncio.get_running_loop().call_later(self.grace_s, self.worker.cancel_all)
+        await super().shutdown(sockets)
+
+    async def startup(self, sockets=None):
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+            if self.on_listen is not None:
+                self.on_listen(self.url)
+
+
+class ServerThread:
+    """The app on a free port in a background thread: `with ServerThread(app) as s: s.url`."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 grace_s: float | None = 30.0):
+        self.ready = threading.Event()
+        self.sock = bind(host, port)
+        self.server = _Server(app, log_level, grace_s, lambda url: self.ready.set())
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="mawforge-serve", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def start(self) -> "ServerThread":
+        self.thread.start()
+        while not self.ready.wait(0.05):
+            if not self.thread.is_alive():
+                raise RuntimeError("the server thread exited during startup")
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join()
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_runtime_arguments(p)
+    p.add_argument("--config", default=None, help="JSON/YAML of option defaults (e.g. what `mawforge tune` "
+                   "writes); flags on the command line override it")
+    p.add_argument("--model-id", default=None, help="the id clients name (default: the pack's directory name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080, help="0 picks a free port (printed on stderr)")
+    p.add_argument("--max-tokens-default", type=int, default=96, help="max_tokens when a request gives none")
+    p.add_argument("--no-speculative", action="store_true", help="plain decoding (the default; telemetry "
+                   "records speculative.mode = off)")
+    p.add_argument("--api-key", default=os.environ.get("MAWFORGE_API_KEY"),
+                   help="require Authorization: Bearer KEY on /v1/* (default: $MAWFORGE_API_KEY, else none)")
+    p.add_argument("--telemetry-log", default=None, help="append one JSON line per request here")
+    p.add_argument("--queue-size", type=int, default=64, help="requests that may wait; beyond it 429")
+    p.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                   help="on SIGTERM, how long in-flight requests may run before they are cancelled")
+    p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+
+
+def main(a: argparse.Namespace) -> int:
+    import signal
+
+    from mawforge.engine.runtime import Runtime
+    from mawforge.plan import PackFacts, make_plan
+    opts = runtime_options(a)
+    plan = make_plan(PackFacts.from_pack(a.pack), memory_budget_gib=opts.memory_budget_gib, context=opts.context,
+                     expert_cache_percent=opts.expert_cache_percent, expert_cache_gib=opts.expert_cache_gib,
+                     stream_embeddings=opts.stream_embeddings, kv_dtype=opts.kv_dtype,
+                     prefill_chunk=opts.prefill_chunk)
+    if not plan.feasible:
+        print(plan.table(), file=sys.stderr)
+        print(f"mawforge serve: refusing to start: plan rejected: {plan.reason}", file=sys.stderr)
+        return BudgetRejected.exit_code
+    sock = bind(a.host, a.port)                  # a busy port fails before the model loads
+    recorder = make_recorder(a)
+    rt = Runtime(a.pack, opts, recorder=recorder)
+    try:
+        model_id = a.model_id or Path(a.pack).resolve().name
+        app = build_app(rt, model_id, api_key=a.api_key, max_tokens_default=a.max_tokens_default,
+                        queue_size=a.queue_size, telemetry_log=a.telemetry_log)
+        announce = lambda url: print(f"mawforge serve: listening on {url} (model {model_id!r}, context "
+                                     f"{opts.context}, queue {a.queue_size})", file=sys.stderr, flush=True)
+        # uvicorn re-raises SIGTERM after its graceful shutdown; a no-op handler makes that exit 0.
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        _Server(app, a.log_level, a.shutdown_grace_s, announce).run(sockets=[sock])
+    finally:
+        rt.close()
+        if recorder is not None:
+            recorder.save(a.trace_out)
+    print("mawforge serve: stopped", file=sys.stderr)
+    return 0

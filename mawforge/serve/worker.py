@@ -1,0 +1,246 @@
+"""The engine side of the server: ONE worker thread owns the runtime and serves jobs from a
+bounded FIFO queue; a Ledger counts what happened (Prometheus /metrics) and appends one JSON
+line per request to the telemetry log.
+
+HTTP handler (event loop)                      worker thread
+  job = Job(..., Channel())  --submit-->  queue.Queue(maxsize)  --> generate(rt, ids, params,
+  async for item in channel  <--put-----                                  cancelled=job.cancel.is_set)
+  (Event | Failure; the last one ends it)
+A job whose client went away has job.cancel set: skipped if still queued, stopped after its next
+token if running. The telemetry line is written by the worker, so it exists even then.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from mawforge.engine.generate import generate
+from mawforge.engine.sampling import SamplingParams
+from mawforge.errors import MawError
+
+log = logging.getLogger("mawforge.serve")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A job that ended without a final Event: status and message for the client and the log."""
+    status: int
+    message: str
+    type: str = "server_error"
+    code: str | None = None
+
+
+class Channel:
+    """Thread-to-event-loop pipe: put() from any thread, `async for` on the loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.q: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.q.put_nowait, item)
+        except RuntimeError:          # the loop is closed: nobody is listening any more
+            pass
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        item = await self.q.get()
+        if item is None:
+            raise StopAsyncIteration
+        return item
+
+
+@dataclass
+class Job:
+    request_id: str
+    endpoint: str
+    prompt: list[int]
+    params: SamplingParams
+    channel: Channel
+    stream: bool = False
+    cancel: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after_s: int):
+        super().__init__(f"the request queue is full; retry in {retry_after_s} s")
+        self.retry_after_s = retry_after_s
+
+
+class ShuttingDown(Exception):
+    pass
+
+
+class Ledger:
+    """Counters for /metrics and the JSON-lines telemetry log; safe to call from any thread."""
+
+    COUNTERS = ("prompt_tokens", "completion_tokens", "hits", "misses", "evictions", "materialized_bytes",
+                "prefetched_bytes", "prefetch_useful_bytes", "prefetch_wasted_bytes", "embedding_bytes_read")
+
+    def __init__(self, log_path: str | None = None):
+        self.lock = threading.Lock()
+        self.requests: dict[tuple[str, int], int] = {}
+        self.totals = dict.fromkeys(self.COUNTERS, 0)
+        self.seconds = {"ttft": 0.0, "decode": 0.0, "total": 0.0, "queue": 0.0}
+        self.finished = {}
+        self.mean_total_s = 0.0        # exponential mean of engine time per request, for Retry-After
+        try:
+            self.file = open(log_path, "a", buffering=1) if log_path else None
+        except OSError as e:
+            raise MawError(f"cannot open the telemetry log {log_path}: {e.strerror}") from None
+
+    def record(self, request_id: str, endpoint: str, status: int, telemetry: dict | None = None,
+               error: str | None = None, stream: bool = False, queue_s: float | None = None) -> None:
+        line = {"time": time.time(), "request_id": request_id, "endpoint": endpoint, "status": status,
+                "stream": stream, "queue_s": queue_s, "error": error, "telemetry": telemetry}
+        with self.lock:
+            self.requests[(endpoint, status)] = self.requests.get((endpoint, status), 0) + 1
+            if telemetry is not None:
+                for k in self.COUNTERS:
+                    self.totals[k] += telemetry[k]
+                for k in ("ttft", "decode", "total"):
+                    self.seconds[k] += telemetry[f"{k}_s"]
+                r = telemetry["finish_reason"]
+                self.finished[r] = self.finished.get(r, 0) + 1
+                self.mean_total_s = 0.8 * self.mean_total_s + 0.2 * telemetry["total_s"] if self.mean_total_s \
+                    else telemetry["total_s"]
+            if queue_s is not None:
+                self.seconds["queue"] += queue_s
+            if self.file is not None:
+                self.file.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+    def prometheus(self, gauges: dict[str, tuple[float, str]]) -> str:
+        """Prometheus text exposition (version 0.0.4): counters from the ledger, then gauges."""
+        out: list[str] = []
+
+        def metric(name: str, kind: str, doc: str, samples: list[tuple[str, float]]) -> None:
+            out.extend([f"# HELP mawforge_{name} {doc}", f"# TYPE mawforge_{name} {kind}"])
+            out.extend(f"mawforge_{name}{labels} {value}" for labels, value in samples)
+
+        with self.lock:
+            metric("requests_total", "counter", "HTTP requests by endpoint and status",
+                   [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in sorted(self.requests.items())])
+            metric("finished_total", "counter", "generations by finish reason",
+                   [(f'{{reason="{r}"}}', n) for r, n in sorted(self.finished.items())])
+            for k, v in self.totals.items():
+                name = f"expert_{k}" if k in ("hits", "misses", "evictions") else k
+                metric(f"{name}_total", "counter", f"sum of telemetry {k} over requests", [("", v)])
+            for k, v in self.seconds.items():
+                metric(f"{k}_seconds_total", "counter", f"sum of {k} time over requests", [("", round(v, 6))])
+        for name, (value, doc) in gauges.items():
+            metric(name, "gauge", doc, [("", value)])
+        return "\n".join(out) + "\n"
+
+    def close(self) -> None:
+        with self.lock:
+            if self.file is not None:
+                self.file.close()
+                self.file = None
+
+
+class EngineWorker:
+    """One thread, one runtime, one generation at a time, jobs in arrival order."""
+
+    def __init__(self, rt, ledger: Ledger, queue_size: int = 64, generate_fn: Callable = generate):
+        if queue_size < 1:
+            raise MawError(f"--queue-size must be at least 1, got {queue_size}")
+        self.rt, self.ledger, self.generate = rt, ledger, generate_fn
+        self.q: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.current: Job | None = None
+        self.closing = False           # no new jobs (shutdown began)
+        self.stopping = False          # cancellations now come from shutdown, not from clients
+        self.thread = threading.Thread(target=self._run, name="mawforge-engine", daemon=True)
+
+    @property
+    def queue_depth(self) -> int:
+        return self.q.qsize()
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        if self.closing:
+            raise ShuttingDown("the server is shutting down")
+        try:
+            self.q.put_nowait(job)
+        except queue.Full:
+            wait = (self.q.qsize() + 1) * (self.ledger.mean_total_s or 1.0)
+            raise QueueFull(max(1, math.ceil(wait))) from None
+
+    def cancel_all(self) -> None:
+        """Shutdown grace is over: cancel the running job and every queued one; each still gets
+        its answer (finish_reason "cancelled", or 503 if it never started) and its log line."""
+        self.closing = self.stopping = True
+        with self.q.mutex:
+            jobs = [j for j in self.q.queue if j is not None]
+        for job in jobs + ([self.current] if self.current is not None else []):
+            job.cancel.set()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Refuse new jobs, fail the queued ones (503), cancel the running one, join the thread."""
+        self.closing = True
+        while True:
+            try:
+                job = self.q.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self._fail(job, Failure(503, "the server shut down before this request started",
+                                        code="shutting_down"))
+        if self.current is not None:
+            self.current.cancel.set()
+        if self.thread.is_alive():
+            self.q.put(None)
+            self.thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            job = self.q.get()
+            if job is None:
+                return
+            self.current = job
+            try:
+                self._serve(job)
+            finally:
+                self.current = None
+
+    def _serve(self, job: Job) -> None:
+        queue_s = time.perf_counter() - job.submitted
+        if job.cancel.is_set():
+            self._fail(job, Failure(503, "the server shut down before this request started", code="shutting_down")
+                       if self.stopping else Failure(499, "the client went away before the request started",
+                                                     type="cancelled", code="client_closed"), queue_s)
+            return
+        try:
+            for ev in self.generate(self.rt, job.prompt, job.params, cancelled=job.cancel.is_set):
+                if ev.telemetry is not None:     # log before the client can see the end
+                    tel = ev.telemetry.to_dict()
+                    status = 499 if tel["finish_reason"] == "cancelled" and not self.stopping else 200
+                    self.ledger.record(job.request_id, job.endpoint, status, tel, stream=job.stream,
+                                       queue_s=queue_s)
+                job.channel.put(ev)
+        except MawError as e:        # a request the engine refused (validated again there)
+            self._fail(job, Failure(400, str(e), type="invalid_request_error"), queue_s)
+            return
+        except Exception as e:       # a bug: this request fails, the server lives on
+            log.exception("request %s failed in the engine", job.request_id)
+            self._fail(job, Failure(500, f"internal error in the engine: {type(e).__name__}: {e}"), queue_s)
+            return
+        job.channel.put(None)
+
+    def _fail(self, job: Job, f: Failure, queue_s: float | None = None) -> None:
+        self.ledger.record(job.request_id, job.endpoint, f.status, error=f.message, stream=job.stream,
+                           queue_s=queue_s)
+        job.channel.put(f)
+        job.channel.put(None)

@@ -1,0 +1,333 @@
+"""Speculative decoding: drafters, exact verification (greedy identity, sampling distribution),
+KV rollback, MoE-aware accounting against an exact counterfactual, the auto controller, the CLI."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from mawforge.engine.drafters import DraftModelDrafter, Drafter, NgramDrafter
+from mawforge.engine.generate import generate
+from mawforge.engine.runtime import Runtime, RuntimeOptions
+from mawforge.engine.sampling import Sampler, SamplingParams
+from mawforge.engine.spec_accounting import AutoController
+from mawforge.engine.speculative import SpecOptions, Speculator, accept_drafts
+from mawforge.errors import BudgetRejected, FormatError, RequestError, UnsupportedError
+from mawforge.plan import PackFacts, make_plan
+from helpers import run_cli
+
+TARGET, DRAFT, OTHER = ("qwen3_moe", "F32"), ("qwen3_moe", "Q8_0"), ("qwen2_moe", "F32")
+CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared machine they oversubscribe."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def covering_prompt(vocab: int = 1024) -> list[int]:
+    """Every token id once, shuffled: whatever a random tiny model emits, prompt lookup finds it."""
+    return torch.randperm(vocab, generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def runtime(pack, budget: str = "50", context: int = 1100) -> Runtime:
+    if budget == "min":
+        gib = PackFacts.from_pack(pack).min_cache_bytes / 2**30
+        return Runtime(pack, RuntimeOptions(context=context, expert_cache_gib=gib))
+    return Runtime(pack, RuntimeOptions(context=context, expert_cache_percent=float(budget)))
+
+
+def run(pack, mode: str, budget: str, params: SamplingParams, prompt: str | list[int] = CODE, **spec):
+    rt = runtime(pack, budget)
+    sp = Speculator(rt, SpecOptions(mode=mode, **spec)) if mode != "off" else None
+    ids = rt.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    try:
+        events = list(generate(rt, ids, params, speculative=sp))
+        kv_pos, n_prompt = rt.kv.pos, len(ids)
+    finally:
+        if sp is not None:
+            sp.close()
+        rt.close()
+    return [e.token for e in events], "".join(e.text for e in events), events[-1].telemetry, kv_pos - n_prompt
+
+
+# ---- drafters --------------------------------------------------------------------------
+
+def test_ngram_drafter_proposes_the_latest_longest_match():
+    d = NgramDrafter(None, SpecOptions(mode="ngram", ngram_max=3))
+    assert d.propose([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]
+    # "7 2" occurs twice: the bigram match wins over the unigram "2", and the later occurrence wins
+    assert d.propose([5, 2, 9, 7, 2, 8, 6, 7, 2], 2) == [8, 6]
+    assert d.probs is None                                 # deterministic proposals: point masses
+    assert d.propose([9, 9, 9, 1], 4) == []                # 1 never occurred before
+    assert d.propose([4, 4], 3) == [4]                     # a context that does not extend the last one resets
+    assert d.propose([1, 2, 1], 0) == []
+
+
+def test_mtp_reports_a_model_without_mtp_layers(packs):
+    rt = runtime(packs[TARGET])
+    try:
+        with pytest.raises(UnsupportedError, match="has no MTP layers"):
+            Speculator(rt, SpecOptions(mode="mtp"))
+        with pytest.raises(FormatError, match="--draft-pack"):
+            Speculator(rt, SpecOptions(mode="draft"))
+        with pytest.raises(RequestError, match="speculative mode"):
+            SpecOptions(mode="sometimes")
+    finally:
+        rt.close()
+
+
+def test_draft_pack_must_share_the_tokenizer_and_fit_the_budget(packs):
+    rt = runtime(packs[("mixtral", "F32")])
+    try:
+        with pytest.raises(FormatError, match="tokenizer"):
+            Speculator(rt, SpecOptions(mode="draft", draft_pack=str(packs[DRAFT])))
+    finally:
+        rt.close()
+    target = packs[TARGET]
+    L = make_plan(PackFacts.from_pack(target), context=256, expert_cache_percent=25).L
+    tight = Runtime(target, RuntimeOptions(context=256, expert_cache_percent=25, memory_budget_gib=(L + 1024) / 2**30))
+    try:
+        with pytest.raises(BudgetRejected, match="draft"):
+            Speculator(tight, SpecOptions(mode="draft", draft_pack=str(packs[DRAFT])))
+    finally:
+        tight.close()
+
+
+# ---- greedy: identical output, exact accounting ------------------------------------------
+
+@pytest.mark.parametrize("budget", ["min", "50", "100"])
+def test_greedy_speculation_matches_plain_decoding(packs, budget):
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = {"code": CODE, "cover": covering_prompt()}
+    plain = {name: run(packs[TARGET], "off", budget, params, prompt=p) for name, p in prompts.items()}
+    assert plain["code"][2].speculative["mode"] == "off"
+    for mode, prompt, spec in (("ngram", "cover", {}), ("auto", "cover", {"window": 4}),
+                               ("draft", "code", {"draft_pack": str(packs[DRAFT])}),
+                               ("draft", "code", {"draft_pack": str(packs[OTHER]), "k": 2})):
+        toks, text, t, kv_kept = run(packs[TARGET], mode, budget, params, prompt=prompts[prompt], **spec)
+        want, plain_text, t_plain, _ = plain[prompt]
+        s = t.speculative
+        assert toks == want and text == plain_text, (mode, spec)
+        assert kv_kept == len(toks) - 1                    # rejected positions were rolled back
+        assert s["verify_steps"] > 0 and 0 <= s["accepted"] <= s["drafted"]
+        assert 1 < s["verify_width"] <= 1 + s["k"]
+        assert s["union_experts_per_layer"] >= s["single_token_experts_per_layer"] == 2.0
+        # the counterfactual replays exactly what plain decoding materialized
+        assert t.materialized_bytes - s["extra_materialized_bytes"] == t_plain.materialized_bytes
+        assert t.evictions - s["extra_evictions"] == t_plain.evictions
+        assert t.misses - s["extra_misses"] == t_plain.misses
+        assert sum(st["materialized_bytes"] for st in s["steps"]) == s["decode_materialized_bytes"]
+        if mode == "draft" and spec["draft_pack"] == str(packs[DRAFT]):
+            assert s["accepted"] > 0                       # same weights at Q8_0: most drafts survive
+            assert s["draft"]["kv_cache_bytes"] > 0 and s["draft"]["expert_cache_bytes"] > 0
+
+
+def test_stop_inside_accepted_drafts_ends_the_stream_there(packs):
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain, _, _, _ = run(packs[TARGET], "off", "50", params)
+    stop = (plain[10],)
+    want, _, t_plain, _ = run(packs[TARGET], "off", "50", SamplingParams(max_tokens=24, stop_token_ids=stop))
+    got, _, t, _ = run(packs[TARGET], "draft", "50", SamplingParams(max_tokens=24, stop_token_ids=stop),
+                       draft_pack=str(packs[DRAFT]))
+    assert got == want and t.finish_reason == "stop"
+    assert t.materialized_bytes - t.speculative["extra_materialized_bytes"] == t_plain.materialized_bytes
+
+
+# ---- sampling: the output distribution is the plain sampler's ------------------------------
+
+def _tv(a: dict, b: dict) -> float:
+    return 0.5 * sum(abs(a.get(x, 0.0) - b.get(x, 0.0)) for x in set(a) | set(b))
+
+
+@pytest.mark.parametrize("point_mass", [False, True])
+def test_rejection_sampling_keeps_the_target_distribution(point_mass):
+    """Two positions, V=5: the target p(t1), p(t2|t1) and a deliberately wrong draft q; the joint
+    of the first two emitted tokens must be p's. Seeded, so the statistic is a fixed number."""
+    V, N = 5, 6000
+    g = torch.Generator().manual_seed(7)
+    p1 = torch.softmax(torch.randn(V, generator=g) * 1.5, 0)
+    p2 = torch.softmax(torch.randn(V, V, generator=g) * 1.5, 1)             # row t1 -> p(t2 | t1)
+    q1 = torch.softmax(torch.randn(V, generator=g) * 1.5, 0)
+    q2 = torch.softmax(torch.randn(V, V, generator=g) * 1.5, 1)
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=1))
+    counts: dict = {}
+    for _ in range(N):
+        if point_mass:                                    # a lookup drafter: fixed proposals
+            d = [int(torch.argmax(q1)), int(torch.argmax(q2[int(torch.argmax(q1))]))]
+            q = None
+        else:
+            d1 = int(torch.multinomial(q1, 1, generator=g))
+            d = [d1, int(torch.multinomial(q2[d1], 1, generator=g))]
+            q = [q1, q2[d1]]
+        logits = torch.log(torch.stack([p1, p2[d[0]], p2[d[1]]]))           # [W, V]
+        n, nxt = accept_drafts(sampler, logits, d, q)
+        out = d[:n] + [nxt]
+        if len(out) == 1:                                 # the next step samples t2 after the correction
+            out.append(sampler.draw(p2[out[0]]))
+        counts[tuple(out[:2])] = counts.get(tuple(out[:2]), 0) + 1
+    want = {(a, b): float(p1[a] * p2[a, b]) for a in range(V) for b in range(V)}
+    got = {k: v / N for k, v in counts.items()}
+    naive = {(a, b): float(q1[a] * q2[a, b]) for a in range(V) for b in range(V)}   # always-accept would give q
+    assert _tv(naive, want) > 0.3                         # the check has power against a wrong verifier
+    assert _tv(got, want) < 0.05                          # sampling noise at N=6000 is about 0.02
+
+
+def test_greedy_acceptance_follows_the_argmax():
+    s = Sampler(SamplingParams())
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 9.0]])
+    assert accept_drafts(s, logits, [1, 0], None) == (2, 2)
+    assert accept_drafts(s, logits, [1, 2], None) == (1, 0)
+    assert accept_drafts(s, logits, [2, 0], None) == (0, 1)
+
+
+class _SkewedDraft(DraftModelDrafter):
+    """The target's own weights, but drafting mostly the least likely allowed token."""
+
+    def _q(self, logits):
+        p = super()._q(logits)
+        worst = torch.where(p > 0, p, torch.full_like(p, 2.0)).argmin()
+        skew = torch.zeros_like(p)
+        skew[worst] = 1.0
+        return 0.8 * skew + 0.2 * p
+
+
+def test_model_drafted_sampling_matches_the_exact_distribution(packs):
+    """t1 comes from prefill; t2 and t3 from one verify step (accept, resample or bonus). Their
+    exact joint under top-k=3 sampling is computed from the target; 700 seeded requests must match."""
+    params = dict(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+    rt = runtime(packs[TARGET], "100", context=32)
+    prompt = rt.tokenizer.encode("a b")
+    sampler = Sampler(SamplingParams(**params))
+
+    def dist(prefix):
+        rt.reset()
+        return sampler.probs(rt.forward(prompt + prefix)[-1])
+
+    want = {}
+    p1 = dist([])
+    for a in torch.nonzero(p1).flatten().tolist():
+        p2 = dist([a])
+        for b in torch.nonzero(p2).flatten().tolist():
+            p3 = dist([a, b])
+            for c in torch.nonzero(p3).flatten().tolist():
+                want[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    sp = Speculator(rt, SpecOptions(mode="draft", draft_pack=str(packs[TARGET]), k=2),
+                    _drafter=_SkewedDraft(rt, SpecOptions(mode="draft", draft_pack=str(packs[TARGET]))))
+    N, counts, drafted, accepted = 700, {}, 0, 0
+    try:
+        for seed in range(N):
+            ev = list(generate(rt, prompt, SamplingParams(**params, seed=seed), speculative=sp))
+            key = tuple(e.token for e in ev)
+            counts[key] = counts.get(key, 0) + 1
+            drafted += ev[-1].telemetry.speculative["drafted"]
+            accepted += ev[-1].telemetry.speculative["accepted"]
+    finally:
+        sp.drafter.close()
+        rt.close()
+    assert drafted == N and 0 < accepted < N              # both the accept and the resample paths ran
+    assert set(counts) <= set(want)
+    chi2 = sum((counts.get(k, 0) - N * p) ** 2 / (N * p) for k, p in want.items())
+    dof = len(want) - 1
+    # chi-square upper tail at p ~ 1e-6 (Wilson-Hilferty); a skewed, unverified draft scores in the thousands
+    z = 4.75
+    limit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < limit, (chi2, limit)
+
+
+# ---- auto ---------------------------------------------------------------------------------
+
+def test_auto_controller_keeps_the_faster_mode_and_reprobes():
+    for spec_rate, plain_rate, winner in ((30.0, 10.0, "spec"), (5.0, 10.0, "plain")):
+        c = AutoController(window=4, probe_every=4)
+        used = {"spec": 0, "plain": 0}
+        for _ in range(200):
+            m = c.mode()
+            used[m] += 1
+            c.record(m, 2, 2 / (spec_rate if m == "spec" else plain_rate))
+        loser = "plain" if winner == "spec" else "spec"
+        assert used[winner] > 2 * used[loser] and used[loser] > 0
+        r = c.report()
+        assert r["spec_windows"] + r["plain_windows"] == 100
+        assert r[f"{winner}_tok_s"] > r[f"{loser}_tok_s"]
+
+
+def test_auto_falls_back_to_plain_when_speculation_is_slower(packs, monkeypatch):
+    """A drafter whose proposals are always wrong and cost a (fake) second each: auto must
+    spend most steps plain. The engine's clock is replaced, so nothing here is timed."""
+    from mawforge.engine import speculative
+    now = [0.0]
+
+    def clock():
+        now[0] += 0.001
+        return now[0]
+
+    monkeypatch.setattr(speculative, "clock", clock)
+
+    class _Slow(Drafter):
+        def propose(self, context, k):
+            now[0] += 1.0
+            self.probs = None
+            return [(context[-1] + 1) % 7] * k
+
+    rt = runtime(packs[TARGET], "50")
+    sp = Speculator(rt, SpecOptions(mode="auto", window=2, probe_every=8), _drafter=_Slow(rt, None))
+    try:
+        ev = list(generate(rt, rt.tokenizer.encode(CODE), SamplingParams(max_tokens=40, ignore_eos=True),
+                           speculative=sp))
+    finally:
+        rt.close()
+    s = ev[-1].telemetry.speculative
+    assert s["mode"] == "auto" and s["auto"]["plain_windows"] > s["auto"]["spec_windows"] >= 1
+    assert s["plain_steps"] > s["verify_steps"]
+
+
+# ---- request override and CLI -------------------------------------------------------------
+
+def test_for_request_override(packs):
+    rt = runtime(packs[TARGET])
+    try:
+        sp = Speculator(rt, SpecOptions(mode="auto"))
+        assert sp.for_request(None) is sp and sp.for_request("off") is None
+        assert sp.for_request("ngram").opts.mode == "ngram"
+        with pytest.raises(RequestError, match="did not load"):
+            sp.for_request("draft")
+    finally:
+        rt.close()
+
+
+def test_cli_run_speculative_reports_counters(packs):
+    r = run_cli("run", "--pack", str(packs[TARGET]), "--context", "128", "--expert-cache-percent", "25",
+                "--max-tokens", "12", "--ignore-eos", "--speculative", "draft", "--draft-pack", str(packs[DRAFT]),
+                "--draft-k", "3", "--telemetry-json", "one two one two one two")
+    assert r.returncode == 0, r.stderr
+    tele = json.loads(r.stderr.strip().splitlines()[-1])
+    s = tele["speculative"]
+    assert tele["completion_tokens"] == 12 and s["mode"] == "draft" and s["k"] == 3 and s["drafted"] > 0
+    r = run_cli("run", "--pack", str(packs[TARGET]), "--context", "128", "--speculative", "mtp", "hi")
+    assert r.returncode != 0 and "has no MTP layers" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_recurrent_models_refuse_rollback_and_auto_stays_plain(tmp_path):
+    """Delta-net state cannot roll back rejected drafts: explicit modes say so, auto decodes plain."""
+    from mawforge.fixtures.families_qwen35_gemma4 import build_hf
+    from mawforge.pack.packer import pack
+    src = build_hf("qwen3_5_moe", tmp_path / "hf")
+    pack(src, tmp_path / "pack", progress=False)
+    rt = Runtime(tmp_path / "pack", RuntimeOptions(context=64, expert_cache_percent=100))
+    try:
+        with pytest.raises(UnsupportedError, match="cannot roll back"):
+            Speculator(rt, SpecOptions(mode="ngram"))
+        with pytest.raises(UnsupportedError, match="MTP"):
+            Speculator(rt, SpecOptions(mode="mtp"))
+        sp = Speculator(rt, SpecOptions(mode="auto"))
+        ev = list(generate(rt, [3, 4, 5, 3, 4], SamplingParams(max_tokens=4, ignore_eos=True), speculative=sp))
+        assert len(ev) == 4 and ev[-1].telemetry.speculative["mode"] == "off"
+    finally:
+        rt.close()
