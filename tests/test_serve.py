@@ -370,3 +370,16 @@ def test_cli_serves_then_finishes_in_flight_work_on_sigterm(pack_dir, tmp_path):
     lines = log_lines(log)
     assert len(lines) == 2 and lines[1]["stream"] and lines[1]["telemetry"]["prompt_tokens"] >= 1
     assert trace.exists()
+
+
+def test_per_request_speculation_keeps_greedy_output_and_reports_it(server, client):
+    plain = client.completions.create(model=MODEL, prompt="The cache holds the cache holds", temperature=0,
+                                      max_tokens=12)
+    spec = client.completions.create(model=MODEL, prompt="The cache holds the cache holds", temperature=0,
+                                     max_tokens=12, extra_body={"speculative": "ngram"})
+    assert spec.choices[0].text == plain.choices[0].text
+    tel = spec.model_extra["telemetry"]["speculative"]
+    assert tel["mode"] == "ngram" and tel["drafted"] >= tel["accepted"] >= 0
+    assert plain.model_extra["telemetry"]["speculative"]["mode"] == "off"
+    r = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "x", "speculative": "maybe"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "speculative"

@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 from mawforge.engine.generate import validate
 from mawforge.engine.run import add_runtime_arguments, make_recorder, runtime_options
+from mawforge.engine.speculative import add_speculative_arguments, speculator_from_args
 from mawforge.errors import BudgetRejected, MawError, RequestError
 from mawforge.serve import protocol as P
 from mawforge.serve.worker import Channel, EngineWorker, Failure, Job, Ledger, QueueFull, ShuttingDown
@@ -128,7 +129,7 @@ class Api:
         except RequestError as e:
             code = "context_length_exceeded" if "context" in str(e) else None
             raise P.ApiError(400, str(e), param="messages" if kind == "chat" else "prompt", code=code) from None
-        job = Job(rid, req.endpoint, ids, req.params, Channel(), stream=req.stream)
+        job = Job(rid, req.endpoint, ids, req.params, Channel(), stream=req.stream, speculative=req.speculative)
         try:
             self.worker.submit(job)
         except QueueFull as e:
@@ -201,12 +202,12 @@ class Api:
 
 def build_app(rt, model_id: str, *, api_key: str | None = None, max_tokens_default: int = 96,
               queue_size: int = 64, telemetry_log: str | None = None, generate_fn=None,
-              close_timeout_s: float | None = 60.0) -> Starlette:
+              close_timeout_s: float | None = 60.0, speculator=None) -> Starlette:
     """The ASGI app. The engine thread starts with the app's lifespan and stops with it;
     the runtime stays the caller's to close. `generate_fn` replaces engine.generate (tests)."""
     ledger = Ledger(telemetry_log)
     kw = {"generate_fn": generate_fn} if generate_fn is not None else {}
-    worker = EngineWorker(rt, ledger, queue_size, **kw)
+    worker = EngineWorker(rt, ledger, queue_size, speculator=speculator, **kw)
     api = Api(rt, model_id, worker, ledger, api_key, max_tokens_default)
 
     @contextlib.asynccontextmanager
@@ -317,8 +318,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080, help="0 picks a free port (printed on stderr)")
     p.add_argument("--max-tokens-default", type=int, default=96, help="max_tokens when a request gives none")
-    p.add_argument("--no-speculative", action="store_true", help="plain decoding (the default; telemetry "
-                   "records speculative.mode = off)")
+    add_speculative_arguments(p)
+    p.add_argument("--no-speculative", dest="speculative", action="store_const", const="off",
+                   help="plain decoding (the default; same as --speculative off)")
     p.add_argument("--api-key", default=os.environ.get("MAWFORGE_API_KEY"),
                    help="require Authorization: Bearer KEY on /v1/* (default: $MAWFORGE_API_KEY, else none)")
     p.add_argument("--telemetry-log", default=None, help="append one JSON line per request here")
@@ -345,16 +347,20 @@ def main(a: argparse.Namespace) -> int:
     sock = bind(a.host, a.port)                  # a busy port fails before the model loads
     recorder = make_recorder(a)
     rt = Runtime(a.pack, opts, recorder=recorder)
+    spec = None
     try:
+        spec = speculator_from_args(rt, a)
         model_id = a.model_id or Path(a.pack).resolve().name
         app = build_app(rt, model_id, api_key=a.api_key, max_tokens_default=a.max_tokens_default,
-                        queue_size=a.queue_size, telemetry_log=a.telemetry_log)
+                        queue_size=a.queue_size, telemetry_log=a.telemetry_log, speculator=spec)
         announce = lambda url: print(f"mawforge serve: listening on {url} (model {model_id!r}, context "
                                      f"{opts.context}, queue {a.queue_size})", file=sys.stderr, flush=True)
         # uvicorn re-raises SIGTERM after its graceful shutdown; a no-op handler makes that exit 0.
         signal.signal(signal.SIGTERM, lambda *_: None)
         _Server(app, a.log_level, a.shutdown_grace_s, announce).run(sockets=[sock])
     finally:
+        if spec is not None:
+            spec.close()
         rt.close()
         if recorder is not None:
             recorder.save(a.trace_out)

@@ -55,10 +55,14 @@ class ApiRequest:
     messages: tuple[dict, ...] = ()    # chat
     prompt: str | None = None          # completion, as text
     prompt_ids: tuple[int, ...] = ()   # completion, given as token ids
+    speculative: str | None = None     # per-request speculative mode (None: the server's setting)
 
     @property
     def endpoint(self) -> str:
         return ENDPOINTS[self.kind]
+
+
+SPEC_MODES = ("auto", "off", "ngram", "draft", "mtp")
 
 
 def new_request_id(kind: str) -> str:
@@ -172,16 +176,20 @@ def parse_request(kind: str, body: dict, model_id: str, default_max_tokens: int)
         raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
     stream, include_usage = _stream_options(body)
     params = _params(body, default_max_tokens)
+    spec = body.get("speculative")
+    if spec is not None and spec not in SPEC_MODES:
+        raise ApiError(400, f"speculative must be one of {', '.join(SPEC_MODES)}, got {spec!r}", param="speculative")
     if kind == "chat":
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise ApiError(400, "messages must be a non-empty list", param="messages")
         return ApiRequest(kind, model, stream, include_usage, params,
-                          messages=tuple(_message(m, i) for i, m in enumerate(msgs)))
+                          messages=tuple(_message(m, i) for i, m in enumerate(msgs)), speculative=spec)
     if "prompt" not in body:
         raise ApiError(400, "prompt is required", param="prompt")
     text, ids = _prompt(body["prompt"])
-    return ApiRequest(kind, model, stream, include_usage, params, prompt=text, prompt_ids=ids)
+    return ApiRequest(kind, model, stream, include_usage, params, prompt=text, prompt_ids=ids,
+                      speculative=spec)
 
 
 # ---- responses ---------------------------------------------------------------------------

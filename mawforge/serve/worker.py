@@ -68,6 +68,7 @@ class Job:
     params: SamplingParams
     channel: Channel
     stream: bool = False
+    speculative: str | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -152,7 +153,9 @@ class Ledger:
 class EngineWorker:
     """One thread, one runtime, one generation at a time, jobs in arrival order."""
 
-    def __init__(self, rt, ledger: Ledger, queue_size: int = 64, generate_fn: Callable = generate):
+    def __init__(self, rt, ledger: Ledger, queue_size: int = 64, generate_fn: Callable = generate,
+                 speculator=None):
+        self.speculator = speculator     # the server's Speculator (None: plain unless a request asks)
         if queue_size < 1:
             raise MawError(f"--queue-size must be at least 1, got {queue_size}")
         self.rt, self.ledger, self.generate = rt, ledger, generate_fn
@@ -223,7 +226,10 @@ class EngineWorker:
                                                      type="cancelled", code="client_closed"), queue_s)
             return
         try:
-            for ev in self.generate(self.rt, job.prompt, job.params, cancelled=job.cancel.is_set):
+            kw = {}
+            if job.speculative is not None or self.speculator is not None:
+                kw["speculative"] = self._speculator(job.speculative)
+            for ev in self.generate(self.rt, job.prompt, job.params, cancelled=job.cancel.is_set, **kw):
                 if ev.telemetry is not None:     # log before the client can see the end
                     tel = ev.telemetry.to_dict()
                     status = 499 if tel["finish_reason"] == "cancelled" and not self.stopping else 200
@@ -238,6 +244,15 @@ class EngineWorker:
             self._fail(job, Failure(500, f"internal error in the engine: {type(e).__name__}: {e}"), queue_s)
             return
         job.channel.put(None)
+
+    def _speculator(self, mode: str | None):
+        """The request's speculative mode against the server's (raises RequestError, a 400)."""
+        if self.speculator is not None:
+            return self.speculator.for_request(mode)
+        if mode in (None, "off"):
+            return None
+        from mawforge.engine.speculative import SpecOptions, Speculator
+        return Speculator(self.rt, SpecOptions(mode=mode))
 
     def _fail(self, job: Job, f: Failure, queue_s: float | None = None) -> None:
         self.ledger.record(job.request_id, job.endpoint, f.status, error=f.message, stream=job.stream,
