@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as T
 
 from mawforge.formats import quants
 from mawforge.formats.quants import PackedWeight
-from mawforge.kernels import dequant
+from mawforge.kernels import dequant, native
 
 # Elements of one dequantized tile (4 MiB as float32): smaller tiles lose more to per-op
 # overhead than they win in cache locality (measured on Q5_K/Q6_K/Q8_0 768x2048).
@@ -28,6 +28,8 @@ TILE_ELEMENTS = 1 << 20
 INT4PACK_MAX_M = 160
 # Up to this many tokens a float32 GEMM on a float32 tile beats casting the tile to bf16.
 GGML_FP32_MAX_M = 16
+# the native K-quant kernel re-reads x per block row; beyond this many tokens tiles + GEMM win
+NATIVE_MAX_M = 8
 
 
 class LinearKernel:
@@ -107,13 +109,16 @@ class Int8G32(LinearKernel, codecs=("int8_g32_avx512", "int8_g32_avx2", "int8_g3
 
 
 class Ggml(LinearKernel, codecs=("ggml",)):
-    """No fused kernel for the byte-exact GGUF blocks yet (plan: docs/quant-layouts.md):
-    dequantize row tiles (bit-exact float32) and multiply: in float32 for few tokens, where
-    a bf16 cast would be one more pass over the tile, in bf16 for many."""
+    """Byte-exact GGUF blocks. For few tokens on the CPU, Q6_K and Q5_K run the native fused
+    kernel (mawforge/kernels/native: unpack each block once, multiply in float32; ~25x the
+    torch path for a 2048x768 Q6_K GEMV). Otherwise dequantize row tiles (bit-exact float32)
+    and multiply: in float32 for few tokens, in bf16 for many."""
 
     @staticmethod
     def run(x, w):
         blocks, (n, k) = w.parts["blocks"], w.shape
+        if x.shape[0] <= NATIVE_MAX_M and w.device.type == "cpu" and native.available(w.ggml_type):
+            return native.gemm(x, blocks, w.ggml_type, n, k).to(x.dtype)
         dtype = torch.float32 if x.shape[0] <= GGML_FP32_MAX_M else torch.bfloat16
         tile = lambda r0, r1: dequant.dequantize_rows(blocks[r0:r1], w.ggml_type, k).to(dtype)
         return _tiled(x.to(dtype), n, k, tile).to(x.dtype)
