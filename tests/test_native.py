@@ -28,9 +28,14 @@ def test_native_gemm_matches_dequantized_reference(qt, m):
     ref = torch.from_numpy(gq.dequantize(raw.numpy(), qt).reshape(96, 512))
     torch.testing.assert_close(w, ref, rtol=0, atol=0)
     x = torch.randn(m, 512)
-    got = native.gemm(x, raw, qt, 96, 512)
+    got = native.gemm(x, raw, qt, 96, 512).double()
     want = x.double() @ ref.double().T
-    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    if qt == T.Q6_K and native.q6k_quantizes_activations():
+        # integer path: x rounded to int8 per 256 (as llama.cpp's q8_K); measured ~0.7% relative
+        assert ((got - want).norm() / want.norm()).item() < 2e-2
+        assert (got - want).abs().max().item() < 5e-2 * want.abs().max().item()
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
 def test_linear_dispatches_small_batches_to_native_and_large_to_tiles(monkeypatch):

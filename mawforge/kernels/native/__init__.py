@@ -56,6 +56,8 @@ def _build() -> ctypes.CDLL | None:
         f = getattr(dll, name)
         f.restype = None
         f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    dll.q6k_gemm.argtypes += [ctypes.c_void_p, ctypes.c_void_p]    # int8 and scale scratch for x
+    dll.q6k_integer.restype = ctypes.c_int
     dll.set_threads.argtypes = [ctypes.c_int]
     return dll
 
@@ -84,5 +86,17 @@ def gemm(x: torch.Tensor, raw: torch.Tensor, qtype: T, n: int, k: int) -> torch.
     if nt != _threads:
         lib.set_threads(nt)
         _threads = nt
-    getattr(lib, FUNCS[qtype])(xf.data_ptr(), xf.shape[0], k, w.data_ptr(), n, y.data_ptr())
+    args = [xf.data_ptr(), xf.shape[0], k, w.data_ptr(), n, y.data_ptr()]
+    if qtype == T.Q6_K:
+        xq = torch.empty(xf.shape[0], k, dtype=torch.int8)
+        dx = torch.empty(xf.shape[0], k // 256, dtype=torch.float32)
+        args += [xq.data_ptr(), dx.data_ptr()]
+    getattr(lib, FUNCS[qtype])(*args)
     return y
+
+
+def q6k_quantizes_activations() -> bool:
+    """True where the Q6_K kernel runs in integers on int8-quantized x (AVX2 builds), as
+    llama.cpp does; the float path is exact up to float32 summation order."""
+    lib = library()
+    return bool(lib and lib.q6k_integer())

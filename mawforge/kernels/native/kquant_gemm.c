@@ -63,7 +63,75 @@ static inline void unpack_q5k(const uint8_t *b, int8_t *q, float *s, float *o) {
     }
 }
 
-void q6k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y) {
+#ifdef __AVX2__
+#include <immintrin.h>
+
+/* x rows quantized to int8 per 256-weight block (scale = max|x| / 127), as llama.cpp's q8_K */
+static void quantize_x(const float *x, int M, int K, int8_t *xq, float *dx) {
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < K / 256; b++) {
+            const float *v = x + (long)m * K + b * 256;
+            float amax = 0.f;
+            for (int i = 0; i < 256; i++) { float a = v[i] < 0 ? -v[i] : v[i]; amax = a > amax ? a : amax; }
+            float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
+            int8_t *o = xq + (long)m * K + b * 256;
+            for (int i = 0; i < 256; i++) o[i] = (int8_t)__builtin_lrintf(v[i] * id);
+            dx[(long)m * (K / 256) + b] = d;
+        }
+}
+
+static inline int hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* one Q6_K block . one q8 block, in integers: 6-bit values (0..63) times int8 activations with
+   maddubs, minus 32 * sum(x), times the int8 sub-block scales with madd. */
+static inline int q6k_dot_q8(const uint8_t *b, const int8_t *q8) {
+    const uint8_t *ql = b, *qh = b + 128; const int8_t *sc = (const int8_t *)(b + 192);
+    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3), m32 = _mm256_set1_epi8(32);
+    __m256i sumi = _mm256_setzero_si256();
+    for (int j = 0; j < 2; j++, ql += 64, qh += 32) {
+        __m256i b1 = _mm256_loadu_si256((const __m256i *)ql), b2 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+        __m256i bh = _mm256_loadu_si256((const __m256i *)qh);
+        __m256i v[4];
+        v[0] = _mm256_or_si256(_mm256_and_si256(b1, m4), _mm256_slli_epi16(_mm256_and_si256(bh, m2), 4));
+        v[1] = _mm256_or_si256(_mm256_and_si256(b2, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 2), m2), 4));
+        v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 4), m2), 4));
+        v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 6), m2), 4));
+        const int8_t *x = q8 + 128 * j, *s = sc + 8 * j;
+        for (int k = 0; k < 4; k++) {
+            __m256i xk = _mm256_loadu_si256((const __m256i *)(x + 32 * k));
+            __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(v[k], xk), _mm256_maddubs_epi16(m32, xk));
+            __m256i scl = _mm256_set_m128i(_mm_set1_epi16(s[2 * k + 1]), _mm_set1_epi16(s[2 * k]));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(scl, p));
+        }
+    }
+    return hsum_i32(sumi);
+}
+
+/* xq: caller's scratch of M*K int8, dx: M*K/256 floats */
+void q6k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *xq, float *dx) {
+    const int nb = K / 256; const long rb = (long)nb * 210;
+    quantize_x(x, M, K, xq, dx);
+    #pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const uint8_t *row = w + n * rb;
+        for (int m = 0; m < M; m++) {
+            float acc = 0.f;
+            for (int b = 0; b < nb; b++) {
+                uint16_t dh; memcpy(&dh, row + b * 210 + 208, 2);
+                acc += f16_to_f32(dh) * dx[(long)m * nb + b] * (float)q6k_dot_q8(row + b * 210, xq + (long)m * K + b * 256);
+            }
+            y[(long)m * N + n] = acc;
+        }
+    }
+}
+int q6k_integer(void) { return 1; }
+#else
+void q6k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *xq, float *dx) {
     const int nb = K / 256; const long rb = (long)nb * 210;
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
@@ -87,6 +155,9 @@ void q6k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y) {
         }
     }
 }
+
+int q6k_integer(void) { return 0; }
+#endif
 
 void q5k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y) {
     const int nb = K / 256; const long rb = (long)nb * 176;
