@@ -9,7 +9,15 @@ SCHEMA = "mawforge.telemetry/1"
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set of this process since it started (ru_maxrss is KiB on Linux)."""
+    """Peak resident set of this process image: VmHWM from /proc/self/status. (ru_maxrss is not
+    used: Linux carries it across fork+exec, so a child of a large parent reports the parent's peak.)"""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

@@ -1,0 +1,74 @@
+"""The budget model: decisions, limits, the CLI, and planned F against a measured peak RSS."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import run_cli
+from mawforge.errors import BudgetRejected, FormatError
+from mawforge.plan import GiB, PackFacts, kv_bytes, make_plan
+
+
+@pytest.fixture(scope="module")
+def facts(packs):
+    return PackFacts.from_pack(packs[("qwen3_moe", "Q4_K_M")])
+
+
+def test_terms_add_up_and_scale(facts):
+    p = make_plan(facts, memory_budget_gib=1, context=1024, expert_cache_percent=50)
+    assert p.feasible and p.L == p.C + p.E + p.K and p.F == p.L + p.O
+    assert p.E == int(facts.expert_bytes * 0.5)
+    assert p.K == kv_bytes(facts, 1024, p.kv_dtype)
+    q = make_plan(facts, memory_budget_gib=1, context=2048, expert_cache_percent=50)
+    assert q.K == 2 * p.K and q.C == p.C
+    assert make_plan(facts, context=1024, expert_cache_percent=50, stream_embeddings=True).C == p.C - facts.embedding_bytes
+
+
+def test_rejections_are_results_with_reasons(facts):
+    over = make_plan(facts, memory_budget_gib=facts.common_file_bytes / GiB, context=4096, expert_cache_percent=100)
+    assert not over.feasible and "exceeds the budget" in over.reason
+    small = make_plan(facts, memory_budget_gib=1, context=64, expert_cache_gib=facts.min_cache_bytes / GiB / 2)
+    assert not small.feasible and "working set" in small.reason
+
+
+def test_largest_cache_and_longest_context(facts):
+    budget = (facts.common_file_bytes + facts.dense_copy_bytes + facts.expert_bytes // 2) / GiB
+    p = make_plan(facts, memory_budget_gib=budget, context=128, expert_cache_percent=10)
+    assert 40 < p.max_cache_percent < 50
+    at_max = make_plan(facts, memory_budget_gib=budget, context=128, expert_cache_percent=p.max_cache_percent)
+    assert at_max.feasible
+    longest = make_plan(facts, memory_budget_gib=budget, context=p.max_context, expert_cache_percent=10)
+    assert longest.feasible
+    assert not make_plan(facts, memory_budget_gib=budget, context=p.max_context + 1, expert_cache_percent=10).feasible
+
+
+def test_bad_arguments(facts):
+    with pytest.raises(FormatError):
+        make_plan(facts, context=0)
+    with pytest.raises(FormatError):
+        make_plan(facts, expert_cache_percent=150)
+
+
+def test_cli_table_json_and_exit_code(packs):
+    pack = str(packs[("qwen3_moe", "Q4_K_M")])
+    r = run_cli("plan", "--pack", pack, "--memory-budget-gib", "1", "--context", "512", "--expert-cache-percent", "25")
+    assert r.returncode == 0 and "FEASIBLE" in r.stdout and "F  = L + O" in r.stdout
+    r = run_cli("plan", "--pack", pack, "--memory-budget-gib", "0.001", "--context", "512", "--json")
+    d = json.loads(r.stdout)
+    assert r.returncode == BudgetRejected.exit_code and d["feasible"] is False and d["reason"]
+
+
+@pytest.mark.parametrize("source", ["Q4_K_M", "F32"])
+def test_planned_footprint_is_within_ten_percent_of_measured_peak_rss(packs, source):
+    """A fresh process runs one generation; its telemetry carries the planned F and the peak RSS."""
+    pack = str(packs[("qwen2_moe", source)])
+    r = subprocess.run([sys.executable, "-m", "mawforge.cli", "run", "--pack", pack, "--context", "512",
+                        "--expert-cache-percent", "50", "--max-tokens", "16", "--threads", "1",
+                        "--telemetry-json", "Once upon a time"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    t = json.loads(r.stderr.strip().splitlines()[-1])
+    ratio = t["peak_rss_bytes"] / t["planned_footprint_bytes"]
+    print(f"{source}: planned F {t['planned_footprint_bytes'] / 2**20:.1f} MiB, "
+          f"peak RSS {t['peak_rss_bytes'] / 2**20:.1f} MiB, ratio {ratio:.3f}")
+    assert 0.9 <= ratio <= 1.1
