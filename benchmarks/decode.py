@@ -63,7 +63,7 @@ def work_maw(a) -> dict:
     t0 = time.perf_counter()
     rt = Runtime(a.pack, RuntimeOptions(context=512, expert_cache_percent=a.cache_percent,
                                         memory_budget_gib=a.budget_gib, prefill_chunk=64, threads=THREADS,
-                                        check_digests=False))
+                                        check_digests=False, stream_embeddings=a.stream_embeddings))
     if a.preload:
         rt.cache.preload()
     load = time.perf_counter() - t0
@@ -155,11 +155,12 @@ def run_model(layers: int, skew: float, a) -> list[dict]:
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
                           if k not in ("cgroup", "stderr_tail")}), flush=True)
 
-    add("llama.cpp resident", child(["llama", "--model", str(gguf), *common]))
-    add("mawforge 100%", child(["maw", "--pack", str(pack), "--cache-percent", "100", "--preload", *common]))
-    for p in (50, 25):
-        add(f"mawforge {p}%", child(["maw", "--pack", str(pack), "--cache-percent", str(p), *common]))
-    add("raw pread", child(["pread", "--pack", str(pack)]))
+    if not a.only_limits:
+        add("llama.cpp resident", child(["llama", "--model", str(gguf), *common]))
+        add("mawforge 100%", child(["maw", "--pack", str(pack), "--cache-percent", "100", "--preload", *common]))
+        for p in (50, 25):
+            add(f"mawforge {p}%", child(["maw", "--pack", str(pack), "--cache-percent", str(p), *common]))
+        add("raw pread", child(["pread", "--pack", str(pack)]))
     if a.limits:
         for frac in (0.5, 0.25):
             limit = int(size * frac)
@@ -170,8 +171,11 @@ def run_model(layers: int, skew: float, a) -> list[dict]:
                 child(["llama", "--model", str(gguf), "--no-repack", "--prompt-tokens", "16",
                        "--decode-tokens", str(a.limit_decode_tokens), "--warmup", "1"], limit,
                       timeout=a.llama_limit_timeout))
+            # the budget leaves 8% of the limit to the page cache and the kernel; the embedding
+            # table is streamed from the pack (only the rows a request needs are read)
             add(f"mawforge @{int(frac * 100)}%",
-                child(["maw", "--pack", str(pack), "--budget-gib", f"{gib * 0.92:.3f}", *common], limit))
+                child(["maw", "--pack", str(pack), "--budget-gib", f"{gib * 0.92:.3f}", "--stream-embeddings",
+                       *common], limit))
     return rows
 
 
@@ -185,6 +189,7 @@ def main() -> int:
         ap.add_argument("--cache-percent", type=float)
         ap.add_argument("--budget-gib", type=float)
         ap.add_argument("--preload", action="store_true")
+        ap.add_argument("--stream-embeddings", action="store_true")
         ap.add_argument("--no-repack", action="store_true")
         ap.add_argument("--no-mmap", action="store_true")
         ap.add_argument("--prompt-tokens", type=int, default=64)
@@ -200,6 +205,7 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--no-limits", dest="limits", action="store_false")
+    ap.add_argument("--only-limits", action="store_true", help="skip the unlimited rows")
     ap.add_argument("--limit-decode-tokens", type=int, default=4)
     ap.add_argument("--llama-limit-timeout", type=float, default=600)
     a = ap.parse_args()
