@@ -44,6 +44,8 @@ class Telemetry:
     prefetched_bytes: int = 0
     prefetch_useful_bytes: int = 0
     prefetch_wasted_bytes: int = 0
+    demand_load_s: float = 0.0          # wall time the compute waited on demand reads (misses)
+    prefetch_stall_s: float = 0.0       # wall time the compute waited on prefetches still in flight
     expert_cache_bytes: int = 0         # the cache's budget E
     expert_cache_held_bytes: int = 0    # slot bytes actually held
     kv_cache_bytes: int = 0

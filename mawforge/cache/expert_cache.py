@@ -51,6 +51,7 @@ class ExpertCache:
         self.peak_held = 0
         self.pending: dict[Key, Future] = {}
         self.load_seconds = 0.0             # wall time spent waiting on demand loads
+        self.prefetch_stall_seconds = 0.0   # wall time computing waited on in-flight prefetches
         self.demand_loaded_bytes = 0
         self._templates = [[(t.name, t.codec, QT[t.qtype], tuple(t.shape),
                              [p.offset for p in t.parts],
@@ -126,7 +127,9 @@ class ExpertCache:
     def _ready(self, key: Key) -> _Slot:
         fut = self.pending.pop(key, None)
         if fut is not None:
+            t0 = time.perf_counter()
             fut.result()
+            self.prefetch_stall_seconds += time.perf_counter() - t0   # a prefetch that arrived late
         return self.slots[key]
 
     def _run_prefetch(self, plan) -> None:
@@ -184,6 +187,7 @@ class ExpertCache:
         s = self.core.stats().to_dict()
         s.update(capacity_bytes=self.capacity, held_bytes=self.held, peak_held_bytes=self.peak_held,
                  minimum_bytes=self.minimum, load_seconds=self.load_seconds,
+                 prefetch_stall_seconds=self.prefetch_stall_seconds,
                  demand_loaded_bytes=self.demand_loaded_bytes)
         return s
 

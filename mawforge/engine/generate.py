@@ -132,6 +132,7 @@ def _telemetry(rt: Runtime, n_prompt: int, n_out: int, t0: float, t_first: float
         hit_rate=hits / (hits + misses) if hits + misses else 0.0, evictions=d("evictions"),
         materialized_bytes=d("materialized_bytes"), prefetched_bytes=d("prefetch_issued_bytes"),
         prefetch_useful_bytes=d("prefetch_useful_bytes"), prefetch_wasted_bytes=d("prefetch_wasted_bytes"),
+        demand_load_s=d("load_seconds"), prefetch_stall_s=d("prefetch_stall_seconds"),
         expert_cache_bytes=p.E, expert_cache_held_bytes=s["held_bytes"], kv_cache_bytes=rt.kv.nbytes,
         resident_common_bytes=rt.weights.resident_bytes,
         embedding_bytes_read=rt.weights.embedding_bytes_read - emb_before,
