@@ -153,6 +153,11 @@ class ExpertCache:
                 self._release(key)
             if group.misses:
                 self._load(group.misses)
+            if x.shape[0] == 1:      # decode: no gather/scatter, one weighted sum
+                for key in group.keys:
+                    j = int(np.flatnonzero(idx_np[0] == key[1])[0])
+                    out += swiglu_expert(x, self._ready(key).weights) * w_np[0, j]
+                continue
             for key in group.keys:
                 tok, slot_k = np.nonzero(idx_np == key[1])
                 t = torch.from_numpy(tok).to(x.device)
