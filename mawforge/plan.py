@@ -4,8 +4,9 @@ C  resident common bytes: common.bin as loaded (less the embedding table when st
    the float32 copies of norms, routers and biases the runtime keeps.
 E  expert-cache bytes: p percent of all routed expert bytes (page-rounded slots), or absolute.
 K  KV-cache bytes at context n: 2 * layers * kv_heads * head_dim * n * dtype size.
-O  runtime overhead: the framework's own resident memory (FRAMEWORK_BYTES, measured for
-   torch 2.13 CPU + MawForge + numpy after import), the largest activation working set of a
+O  runtime overhead: the framework's own resident memory (measured in-process when the
+   runtime plans; FRAMEWORK_BYTES, calibrated for torch 2.13 CPU + MawForge, for the
+   static `mawforge plan`), the largest activation working set of a
    prefill chunk (attention scores over the full context included), the logits row, and the
    dequantization tiles of the kernels.
 A configuration is REJECTED when L exceeds the budget or when E is below one layer's top-k
@@ -23,6 +24,7 @@ from mawforge.pack.manifest import read_index, read_manifest
 
 GiB = 1 << 30
 PAGE = 4096
+RUNTIME_GROWTH_BYTES = 32 << 20   # first-forward growth after imports (32-49 MiB measured)
 FRAMEWORK_BYTES = 260 << 20   # RSS after `import torch` and the runtime (229-233 MiB measured) + first-forward slack
 DEQUANT_TILE_BYTES = 3 * (1 << 18) * 4
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -112,12 +114,27 @@ def fixed_state_bytes(f: PackFacts) -> int:
     return total
 
 
-def overhead_bytes(f: PackFacts, context: int, prefill_chunk: int) -> int:
+def framework_in_process() -> int:
+    """The framework term measured in this process (when torch and the runtime are already
+    imported): its RSS now, shared-library pages included, plus what the first forward
+    adds (thread pools, allocator arenas, tokenizer). Resident library pages vary with the
+    page cache (RssFile measured 102 MB in one venv and 190 MB in a fresh one, same
+    packages), so a process that can measure itself does."""
+    try:
+        with open("/proc/self/statm") as fh:
+            import os
+            rss = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return FRAMEWORK_BYTES
+    return max(rss, 0) + RUNTIME_GROWTH_BYTES
+
+
+def overhead_bytes(f: PackFacts, context: int, prefill_chunk: int, framework: int | None = None) -> int:
     t = min(prefill_chunk, context)
     scores = 2 * f.n_heads * t * context * 4                    # scores + probs, float32
     acts = t * 4 * (6 * f.hidden + 3 * f.n_heads * f.head_dim + 3 * f.expert_ff * f.top_k)
     logits = 2 * f.vocab * 4
-    return FRAMEWORK_BYTES + scores + acts + logits + DEQUANT_TILE_BYTES
+    return (FRAMEWORK_BYTES if framework is None else framework) + scores + acts + logits + DEQUANT_TILE_BYTES
 
 
 @dataclass(frozen=True)
@@ -162,7 +179,7 @@ class Plan:
 def make_plan(f: PackFacts, *, memory_budget_gib: float | None = None, context: int = 4096,
               expert_cache_percent: float | None = None, expert_cache_gib: float | None = None,
               stream_embeddings: bool = False, kv_dtype: str | None = None, prefill_chunk: int = 128,
-              budget_source: str = "--memory-budget-gib") -> Plan:
+              budget_source: str = "--memory-budget-gib", framework_bytes: int | None = None) -> Plan:
     if context < 1:
         raise FormatError(f"context must be positive, got {context}")
     if expert_cache_percent is not None and expert_cache_gib is not None:
@@ -171,7 +188,7 @@ def make_plan(f: PackFacts, *, memory_budget_gib: float | None = None, context: 
         raise FormatError(f"--expert-cache-percent must be in (0, 100], got {expert_cache_percent}")
     kvd = kv_dtype_for(f, kv_dtype)
     C = f.common_file_bytes - (f.embedding_bytes if stream_embeddings else 0) + f.dense_copy_bytes
-    K, O = kv_bytes(f, context, kvd), overhead_bytes(f, context, prefill_chunk)
+    K, O = kv_bytes(f, context, kvd), overhead_bytes(f, context, prefill_chunk, framework_bytes)
     budget = int(memory_budget_gib * GiB) if memory_budget_gib is not None else None
     total = f.expert_bytes
     if expert_cache_gib is not None:

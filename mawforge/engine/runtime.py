@@ -15,7 +15,7 @@ from mawforge.engine.weights import CommonWeights
 from mawforge.errors import BudgetRejected, FormatError, RequestError
 from mawforge.models import model_class
 from mawforge.pack.manifest import read_index, read_manifest
-from mawforge.plan import PackFacts, make_plan
+from mawforge.plan import PackFacts, framework_in_process, make_plan
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,8 @@ class Runtime:
         self.plan = make_plan(self.facts, memory_budget_gib=opts.memory_budget_gib, context=opts.context,
                               expert_cache_percent=opts.expert_cache_percent,
                               expert_cache_gib=opts.expert_cache_gib, stream_embeddings=opts.stream_embeddings,
-                              kv_dtype=opts.kv_dtype, prefill_chunk=opts.prefill_chunk)
+                              kv_dtype=opts.kv_dtype, prefill_chunk=opts.prefill_chunk,
+                              framework_bytes=framework_in_process())
         if not self.plan.feasible:
             raise BudgetRejected(f"plan rejected: {self.plan.reason}")
         if opts.stream_embeddings and self.cfg.tie_embeddings:
