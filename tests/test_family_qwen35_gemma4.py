@@ -13,7 +13,7 @@ from mawforge.engine.kv import KVCache
 from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.engine.sampling import SamplingParams
 from mawforge.errors import UnsupportedError
-from mawforge.fixtures.families_qwen35_gemma4 import FAMILIES, build_hf, load_hf, write_gguf
+from mawforge.fixtures.families_qwen35_gemma4 import FAMILIES, add_mtp_block, build_hf, load_hf, write_gguf
 from mawforge.fixtures.llama_ref import llama_logits
 from mawforge.formats.config import from_hf_config
 from mawforge.pack.manifest import read_index, read_manifest
@@ -135,7 +135,9 @@ def test_planned_bytes_equal_allocations(family_root, fam):
         assert per_pos == 2 * 4 * (2 * 2 * 32 + 2 * 1 * 64)
 
 
-def test_recurrent_state_cannot_roll_back_to_the_middle(family_root):
+def test_recurrent_state_cannot_roll_back_to_the_middle_without_a_mark(family_root):
+    """Delta-net state holds no positions: only KVCache.mark() (speculative verify) makes a middle
+    position reachable again (tests/test_mtp.py); without one, truncate refuses."""
     rt = _open(family_root["qwen3_5_moe"]["packs"]["F32"])
     try:
         rt.forward(TOKENS[:8])
@@ -159,38 +161,10 @@ def test_configs_normalize_layer_types_and_state(family_root):
         assert qq.extra["linear"]["v_order"] == "tiled" and q.extra["linear"]["v_order"] == "grouped"
 
 
-def _add_mtp_block(hf_dir, model) -> dict:
-    """Write a Qwen3.5 MTP block into the fixture (as the hub does: mtp.* beside the model) and
-    return its modules for a reference: transformers' own decoder layer and RMSNorms."""
-    from safetensors.torch import load_file, save_file
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm
-    cfg, H = model.config, model.config.hidden_size
-    torch.manual_seed(5)
-    mods = {"layer": Qwen3_5MoeDecoderLayer(cfg, layer_idx=1).float().eval(),
-            "fc": torch.nn.Linear(2 * H, H, bias=False), "enorm": Qwen3_5MoeRMSNorm(H, cfg.rms_norm_eps),
-            "hnorm": Qwen3_5MoeRMSNorm(H, cfg.rms_norm_eps), "norm": Qwen3_5MoeRMSNorm(H, cfg.rms_norm_eps)}
-    with torch.no_grad():
-        for name, p in mods["layer"].named_parameters():
-            p.copy_(torch.randn(p.shape) * (0.2 if "norm" in name else 0.3 if name == "mlp.gate.weight" else 0.08))
-        for k in ("enorm", "hnorm", "norm"):
-            mods[k].weight.copy_(0.2 * torch.randn(H))
-        mods["fc"].weight.copy_(torch.randn(H, 2 * H) * 0.08)
-    path = hf_dir / "model.safetensors"
-    tensors = load_file(str(path))
-    tensors |= {f"mtp.layers.0.{k}": v.contiguous() for k, v in mods["layer"].state_dict().items()}
-    tensors |= {"mtp.fc.weight": mods["fc"].weight.detach().clone(), "mtp.norm.weight": mods["norm"].weight.detach().clone(),
-                "mtp.pre_fc_norm_embedding.weight": mods["enorm"].weight.detach().clone(),
-                "mtp.pre_fc_norm_hidden.weight": mods["hnorm"].weight.detach().clone()}
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    c = json.loads((hf_dir / "config.json").read_text())
-    (hf_dir / "config.json").write_text(json.dumps(c | {"mtp_num_hidden_layers": 1}))
-    return mods
-
-
 def test_mtp_block_is_packed_and_drafts_like_the_reference(tmp_path):
     hf = build_hf("qwen3_5_moe", tmp_path / "hf")
     model = load_hf(hf)
-    mods = _add_mtp_block(hf, model)
+    mods = add_mtp_block(hf, model)
     pack(hf, tmp_path / "pack", progress=False)
     man = read_manifest(tmp_path / "pack")
     L = man.config.n_layers

@@ -314,20 +314,56 @@ def test_cli_run_speculative_reports_counters(packs):
     assert r.returncode != 0 and "has no MTP layers" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_recurrent_models_refuse_rollback_and_auto_stays_plain(tmp_path):
-    """Delta-net state cannot roll back rejected drafts: explicit modes say so, auto decodes plain."""
-    from mawforge.fixtures.families_qwen35_gemma4 import build_hf
+# ---- hybrid models: recurrent (delta-net) state rolls back ----------------------------------
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory) -> dict:
+    """Qwen3.5-MoE (delta-net + attention) packs: the HF target and a Q8_0 GGUF of the same weights."""
+    from mawforge.fixtures.families_qwen35_gemma4 import build_hf, write_gguf
     from mawforge.pack.packer import pack
-    src = build_hf("qwen3_5_moe", tmp_path / "hf")
-    pack(src, tmp_path / "pack", progress=False)
-    rt = Runtime(tmp_path / "pack", RuntimeOptions(context=64, expert_cache_percent=100))
+    root = tmp_path_factory.mktemp("hybrid")
+    src = build_hf("qwen3_5_moe", root / "hf")
+    pack(src, root / "target", progress=False)
+    pack(write_gguf(src, root / "q8.gguf", "Q8_0"), root / "draft", progress=False)
+    return {"target": root / "target", "draft": root / "draft"}
+
+
+class _Oracle(Drafter):
+    """Proposes the plain continuation for 0, 1, 2, ... tokens, then a wrong one: every
+    acceptance length occurs, so the recurrent state is rolled back into every verify position."""
+
+    def __init__(self, truth: list[int], n_prompt: int) -> None:
+        super().__init__(None, None)
+        self.truth, self.n_prompt, self.steps = truth, n_prompt, 0
+
+    def propose(self, context, k):
+        self.probs = None
+        want = self.truth[len(context) - self.n_prompt:][:k]
+        j = self.steps % (len(want) + 1)
+        self.steps += 1
+        return want[:j] + [(t + 1) % 1024 for t in want[j:j + 1]]
+
+
+@pytest.mark.parametrize("budget", ["min", "50", "100"])
+def test_speculation_on_a_hybrid_model_matches_plain_decoding(hybrid, budget):
+    """ngram, draft (itself a hybrid pack: its own state rolls back too), auto and forced partial
+    acceptance all emit plain decoding's tokens on Qwen3.5-MoE; kept positions are the emitted ones."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    target, prompt = hybrid["target"], covering_prompt()[:200]
+    want, text, t_plain, _ = run(target, "off", budget, params, prompt=prompt)
+    for mode, spec in (("ngram", {}), ("auto", {"window": 4}), ("draft", {"draft_pack": str(hybrid["draft"]), "k": 3})):
+        toks, got_text, t, kept = run(target, mode, budget, params, prompt=prompt, **spec)
+        s = t.speculative
+        assert toks == want and got_text == text and kept == len(toks) - 1, mode
+        assert s["verify_steps"] > 0 and t.materialized_bytes - s["extra_materialized_bytes"] == t_plain.materialized_bytes
+        if mode == "draft":
+            assert s["accepted"] > 0 and s["rollback_state_bytes"] > 0
+    rt = runtime(target, budget)
+    sp = Speculator(rt, SpecOptions(mode="ngram", k=4), _drafter=_Oracle(want, len(prompt)))
     try:
-        with pytest.raises(UnsupportedError, match="cannot roll back"):
-            Speculator(rt, SpecOptions(mode="ngram"))
-        with pytest.raises(UnsupportedError, match="MTP"):
-            Speculator(rt, SpecOptions(mode="mtp"))
-        sp = Speculator(rt, SpecOptions(mode="auto"))
-        ev = list(generate(rt, [3, 4, 5, 3, 4], SamplingParams(max_tokens=4, ignore_eos=True), speculative=sp))
-        assert len(ev) == 4 and ev[-1].telemetry.speculative["mode"] == "off"
+        ev = list(generate(rt, prompt, params, speculative=sp))
+        s = ev[-1].telemetry.speculative
+        assert [e.token for e in ev] == want and 0 < s["accepted"] < s["drafted"]
+        assert {st["accepted"] for st in s["steps"]} >= {0, 1, 2, 3}
     finally:
         rt.close()

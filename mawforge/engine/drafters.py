@@ -8,7 +8,7 @@
 The context passed to `propose` is every committed token: the prompt, the tokens emitted so far
 and the one just sampled (not yet run by the target). A model drafter keeps its own KV cache and
 rolls it back to the longest prefix it shares with the context, so rejected drafts cost nothing
-to forget. Legend: V vocabulary size.
+to forget (recurrent layers roll back through KVCache.mark). Legend: V vocabulary size.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 
 from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.engine.sampling import Sampler, SamplingParams
-from mawforge.errors import FormatError, UnsupportedError
+from mawforge.errors import BudgetRejected, FormatError, UnsupportedError
 
 
 class Drafter:
@@ -110,10 +110,6 @@ class DraftModelDrafter(Drafter, name="draft"):
             context=target.opts.context, expert_cache_percent=options.draft_cache_percent,
             policy=target.opts.policy, device=target.opts.device, kv_dtype=target.opts.kv_dtype,
             direct_io=target.opts.direct_io, prefill_chunk=target.opts.prefill_chunk))
-        if getattr(self.rt.kv, "recurrent", False):
-            self.rt.close()
-            raise UnsupportedError(f"draft pack {options.draft_pack} has recurrent layers, whose state cannot "
-                                   f"roll back rejected drafts")
         mine = self.rt.tokenizer.tok.get_vocab(with_added_tokens=True)
         theirs = target.tokenizer.tok.get_vocab(with_added_tokens=True)
         if mine != theirs:
@@ -148,7 +144,10 @@ class DraftModelDrafter(Drafter, name="draft"):
                 break
             common += 1
         common = min(common, len(context) - 1)       # the last token is re-run for its logits
+        if not self.rt.kv.can_truncate(common):      # recurrent state: only back to the last mark
+            common = 0
         self.rt.kv.truncate(common)
+        self.rt.kv.mark()                            # the next proposal may roll back into this one
         logits = self.rt.forward(context[common:])[-1]
         drafts, qs = [], []
         for i in range(k):
@@ -180,22 +179,55 @@ def has_mtp(rt: Runtime) -> bool:
 
 
 class MtpDrafter(Drafter, name="mtp"):
-    """Multi-token-prediction (nextn) heads of the target itself (Qwen3.5/3.6-MoE, DeepSeek-V3).
-
-    Contract for a model class that can draft with them: `has_mtp` (the checkpoint kept its MTP
-    block) and `mtp_propose(context: list[int], k: int) -> (drafts, q_list | None)`, which reads
-    the hidden state the target's last forward left behind and keeps its own MTP KV (Qwen3.5:
-    `mtp_cache` / `mtp_logits`). No model class implements `mtp_propose` yet."""
+    """Multi-token-prediction (nextn) layers of the target itself (Qwen3.5/3.6-MoE, DeepSeek-V3;
+    models/mtp.py). The model class provides `has_mtp`, `enable_mtp(context, dtype)` and
+    `mtp_propose(context, k, sampler) -> (drafts, q_list | None)`, which reads the hidden states
+    the target's forwards kept and keeps its own MTP KV in step with the accepted tokens. The
+    MTP layer's weights are common tensors already counted in C; the extra is its KV cache and
+    the target's hidden states it has not consumed yet (at most context x hidden float32: a
+    prompt's, until the first proposal). Both count against the budget here."""
 
     def __init__(self, target: Runtime, options) -> None:
         super().__init__(target, options)
-        arch = target.cfg.arch
+        arch, model = target.cfg.arch, target.model
         if not has_mtp(target):
             raise UnsupportedError(f"this model ({arch}) has no MTP layers; use --speculative ngram or draft")
-        if not hasattr(target.model, "mtp_propose"):
+        if not hasattr(model, "mtp_propose"):
             raise UnsupportedError(f"this model ({arch}) has MTP layers, but MTP drafting is not wired for it yet; "
                                    f"use --speculative ngram or draft")
+        self.state = model.enable_mtp(target.opts.context, getattr(torch, target.plan.kv_dtype))
+        self.hidden_bytes = target.opts.context * target.cfg.hidden * 4
+        p, extra = target.plan, self.state.kv.nbytes + self.hidden_bytes
+        if p.budget_bytes is not None and p.L + extra > p.budget_bytes:
+            self.close()
+            raise BudgetRejected(f"plan rejected with MTP drafting: target L + {extra / 2**30:.4f} GiB (the MTP "
+                                 f"layer's KV cache and kept hidden states) exceeds the budget of "
+                                 f"{p.budget_bytes / 2**30:.4f} GiB")
+        self.sampler = Sampler(SamplingParams())
+        self.proposals = 0
+
+    def begin(self, prompt: list[int], params: SamplingParams) -> None:
+        seed = None if params.seed is None else params.seed + 0x5EED   # its own stream, still reproducible
+        self.sampler = Sampler(SamplingParams(temperature=params.temperature, top_k=params.top_k,
+                                              top_p=params.top_p, min_p=params.min_p, seed=seed))
+        self.proposals = 0
 
     def propose(self, context: list[int], k: int) -> list[int]:
-        drafts, self.probs = self.target.model.mtp_propose(context, k)
+        self.probs = None
+        if k < 1 or not context:
+            return []
+        drafts, self.probs = self.target.model.mtp_propose(context, k, self.sampler)
+        self.proposals += 1
         return list(drafts)[:k]
+
+    def memory(self) -> dict:
+        kv = self.state.kv.nbytes
+        return {"resident_common_bytes": 0, "expert_cache_bytes": 0, "kv_cache_bytes": kv,
+                "hidden_state_bytes": self.hidden_bytes, "planned_bytes": kv + self.hidden_bytes}
+
+    def counters(self) -> dict:
+        return {"mtp_proposals": self.proposals}
+
+    def close(self) -> None:
+        if self.target.model.mtp is self.state:
+            self.target.model.disable_mtp()

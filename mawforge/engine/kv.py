@@ -3,16 +3,30 @@
 Attention layers keep a KV cache that grows with the context; recurrent layers (gated delta-net)
 keep fixed-size float32 state tensors. The layout comes from `config.extra["kv_layers"]`
 (see formats/config.py); without it every layer is an attention layer of the config's shape.
+
+Rolling back is free for attention (positions past n are simply overwritten later). Recurrent
+state holds no positions, so a speculative verify step brackets its forward with `mark()`:
+each recurrent layer's state is copied once (into buffers reused by every mark), and each chunk
+the layer runs leaves a replay function for its inputs. `truncate(n)` to any position since the
+mark restores the copy and replays the first n - mark tokens: the same float operations in the
+same order as the forward ran them, so the state is bit-identical to the one it had there.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 from mawforge.errors import RequestError, UnsupportedError
 
 
+# a chunk's replay: advance(state, m) runs the chunk's first m tokens on the layer's state tensors
+Replay = Callable[[list[torch.Tensor], int], None]
+
+
 def layer_layout(cfg) -> list[dict]:
-    """Per layer: {"kind": "kv", "kv_heads", "head_dim"} or {"kind": "recurrent", "state": [shapes]}."""
+    """Per layer: {"kind": "kv", "kv_heads", "head_dim"}, {"kind": "latent", "dim"},
+    {"kind": "recurrent", "state": [shapes]} or {"kind": "none"} (a layer this cache does not hold)."""
     return list(cfg.extra.get("kv_layers") or
                 [{"kind": "kv", "kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim}] * cfg.n_layers)
 
@@ -36,11 +50,18 @@ class KVCache:
                 self.k.append(torch.zeros(context, spec["dim"], dtype=dtype, device=device))
                 self.v.append(None)
                 self.state.append(None)
+            elif spec["kind"] == "none":        # e.g. the MTP block's cache holds only its own layer
+                self.k.append(None)
+                self.v.append(None)
+                self.state.append(None)
             else:
                 self.k.append(None)
                 self.v.append(None)
                 self.state.append([torch.zeros(*s, dtype=torch.float32, device=device) for s in spec["state"]])
         self.pos = 0            # committed positions
+        self.trail: dict[int, list[tuple[int, Replay]]] | None = None   # layer -> chunks since mark()
+        self.trail_start = 0
+        self._snap: dict[int, list[torch.Tensor]] = {}                  # recurrent state at mark()
 
     @classmethod
     def for_config(cls, cfg, context: int, dtype: torch.dtype, device: torch.device) -> "KVCache":
@@ -58,6 +79,11 @@ class KVCache:
     @property
     def recurrent(self) -> bool:
         return any(s is not None for s in self.state)
+
+    @property
+    def rollback_bytes(self) -> int:
+        """Bytes of the state copies that mark() keeps (allocated on the first mark; 0 without recurrent layers)."""
+        return sum(t.nbytes for s in self._snap.values() for t in s)
 
     def check_room(self, n: int) -> None:
         if self.pos + n > self.context:
@@ -86,15 +112,58 @@ class KVCache:
     def commit(self, n: int) -> None:
         self.pos += n
 
+    # ---- rollback of recurrent state ----------------------------------------------------
+    def mark(self) -> None:
+        """Make every position from here on a point `truncate` can return to (until unmark())."""
+        if not self.recurrent:
+            return
+        for layer, s in enumerate(self.state):
+            if s:
+                if layer not in self._snap:
+                    self._snap[layer] = [torch.empty_like(t) for t in s]
+                for dst, src in zip(self._snap[layer], s):
+                    dst.copy_(src)
+        self.trail, self.trail_start = {}, self.pos
+
+    def unmark(self) -> None:
+        self.trail = None
+
+    def recorder(self, layer: int) -> list[tuple[int, Replay]] | None:
+        """Where a recurrent layer appends (tokens, replay) for each chunk it runs; None when unmarked."""
+        return None if self.trail is None else self.trail.setdefault(layer, [])
+
+    def can_truncate(self, n: int) -> bool:
+        return (n >= self.pos or n == 0 or not self.recurrent
+                or (self.trail is not None and n >= self.trail_start))
+
     def truncate(self, n: int) -> None:
-        """Forget positions >= n (speculative rollback, or a new request). Recurrent state holds no
-        positions, so it can only be reset to the start."""
+        """Forget positions >= n (speculative rollback, or a new request). Recurrent state returns
+        to the start, or to any position since mark(); the mark ends either way."""
         if n >= self.pos:
             return
         if self.recurrent:
-            if n != 0:
-                raise UnsupportedError("cannot roll back recurrent (delta-net) state to a middle position")
-            for s in self.state:
-                for t in s or ():
-                    t.zero_()
+            if not self.can_truncate(n):
+                raise UnsupportedError("cannot roll back recurrent (delta-net) state to a position before "
+                                       "the last mark (or with none)")
+            if n == 0:
+                for s in self.state:
+                    for t in s or ():
+                        t.zero_()
+            else:
+                self._rewind(n - self.trail_start)
+            self.trail = None
         self.pos = n
+
+    def _rewind(self, m: int) -> None:
+        for layer, snap in self._snap.items():
+            state = self.state[layer]
+            for dst, src in zip(state, snap):
+                dst.copy_(src)
+            left = m
+            for tokens, replay in self.trail.get(layer, ()):
+                if left <= 0:
+                    break
+                replay(state, min(tokens, left))
+                left -= tokens
+            if left > 0:
+                raise UnsupportedError(f"layer {layer} ran {m - left} tokens since the mark, not {m}: cannot roll back")

@@ -8,7 +8,8 @@
 Each step: the drafter proposes k tokens; the target runs [last] + drafts in ONE batched
 forward through the expert cache (all logits), accepts a prefix by exact rule (greedy: match the
 argmax; sampling: accept with min(1, p/q), else resample from norm(max(0, p - q))), then rolls
-its KV back over the rejected positions. The output distribution is the plain sampler's.
+its KV back over the rejected positions (recurrent delta-net state included: the verify forward
+runs under KVCache.mark). The output distribution is the plain sampler's.
 
 Legend: W verify width (1 + drafts), V vocabulary size.
 """
@@ -24,7 +25,7 @@ from mawforge.engine.drafters import Drafter, has_mtp, make_drafter
 from mawforge.engine.runtime import Runtime
 from mawforge.engine.sampling import Sampler, SamplingParams
 from mawforge.engine.spec_accounting import AutoController, Counterfactual, RouteTap, counters, delta
-from mawforge.errors import BudgetRejected, RequestError, UnsupportedError
+from mawforge.errors import BudgetRejected, RequestError
 
 MODES = ("auto", "off", "ngram", "draft", "mtp")
 clock = time.perf_counter     # the engine-time clock auto compares modes with (tests replace it)
@@ -137,9 +138,13 @@ class SpecDecoder(PlainDecoder):
         self.tap.clear()
         before = counters(rt.cache.core)
         if drafts:
-            logits = rt.forward([context[-1]] + drafts, all_logits=True, kind="decode")      # [W, V]
-            n_acc, nxt = accept_drafts(self.sampler, logits, drafts, self.drafter.probs)
-            rt.kv.truncate(rt.kv.pos - len(drafts) + n_acc)
+            rt.kv.mark()
+            try:
+                logits = rt.forward([context[-1]] + drafts, all_logits=True, kind="decode")      # [W, V]
+                n_acc, nxt = accept_drafts(self.sampler, logits, drafts, self.drafter.probs)
+                rt.kv.truncate(rt.kv.pos - len(drafts) + n_acc)
+            finally:
+                rt.kv.unmark()
             out = drafts[:n_acc] + [nxt]
         else:
             n_acc, out = 0, [self.sampler.sample(rt.forward([context[-1]], kind="decode")[-1])]
@@ -210,6 +215,7 @@ class SpecDecoder(PlainDecoder):
             "extra_prefetched_bytes": self.live["prefetch_issued_bytes"] - self.plain["prefetch_issued_bytes"],
             "plain_counterfactual": "replayed" + (" (router lookahead not replayed)" if self.rt.opts.lookahead else ""),
             "draft_s": self.draft_s,
+            "rollback_state_bytes": self.rt.kv.rollback_bytes,
             "draft": {**self.drafter.memory(), **self.drafter.counters()},
             "steps": self.steps,
         }
@@ -228,15 +234,9 @@ class Speculator:
     def __init__(self, rt: Runtime, opts: SpecOptions, _drafter: Drafter | None = None) -> None:
         self.rt, self.opts = rt, opts
         self.kind = drafter_for(opts.mode, rt, opts)
-        # recurrent (delta-net) state cannot roll back to a middle position: auto stays plain there
-        rollback = not getattr(rt.kv, "recurrent", False)
-        off = opts.mode == "off" or (opts.mode == "auto" and not rollback)
+        off = opts.mode == "off"
         self.drafter = _drafter if _drafter is not None else (None if off else make_drafter(self.kind, rt, opts))
         self._owns = _drafter is None
-        if self.drafter is not None and not rollback:
-            self.close()
-            raise UnsupportedError(f"this model ({rt.cfg.arch}) has recurrent layers whose state cannot roll back "
-                                   f"rejected drafts; use --speculative off or auto")
         if self.drafter is not None:
             check_draft_budget(rt, self.drafter)
 

@@ -10,6 +10,8 @@ extra keys (read by mawforge/models/deepseek2.py, gptoss.py, engine/kv.py and pl
   router         gating (sigmoid|softmax), groups, groups_used, group_score (top2sum|max), scale
   rope_scaling   None or the YaRN parameters {factor, original_context, beta_fast, beta_slow,
                  attn_factor, mscale_all_dim, truncate}
+  mtp_layers     DeepSeek-V3 MTP (nextn) layers after the model's (HF num_nextn_predict_layers,
+                 GGUF nextn_predict_layers); drafting needs their tensors too (models/mtp.py)
   layer_types    GPT-OSS: "sliding" or "full" per layer; sliding_window; swiglu_limit, swiglu_alpha
 """
 from __future__ import annotations
@@ -57,7 +59,8 @@ def _gguf_yarn(m: dict, a: str, mscale_all_dim: float) -> dict | None:
 
 
 def _deepseek(n: int, heads: int, *, q_rank: int, kv_rank: int, nope: int, rope: int, v: int, dense: int,
-              dense_ff: int, moe_ff: int, n_shared: int, router: dict, rope_scaling: dict | None) -> dict:
+              dense_ff: int, moe_ff: int, n_shared: int, router: dict, rope_scaling: dict | None,
+              mtp: int) -> dict:
     if router["groups"] < 1 or router["groups_used"] > router["groups"]:
         raise FormatError(f"deepseek2: {router['groups_used']} of {router['groups']} expert groups")
     if rope % 2:
@@ -68,7 +71,7 @@ def _deepseek(n: int, heads: int, *, q_rank: int, kv_rank: int, nope: int, rope:
                 "dense_layers": list(range(min(dense, n))), "dense_ff": dense_ff,
                 "mla": {"q_lora_rank": q_rank, "kv_lora_rank": kv_rank, "qk_nope": nope, "qk_rope": rope,
                         "v_head_dim": v},
-                "router": router, "rope_scaling": rope_scaling}}
+                "router": router, "rope_scaling": rope_scaling, "mtp_layers": mtp}}
 
 
 def deepseek2_hf(c: dict[str, Any]) -> dict:
@@ -90,7 +93,8 @@ def deepseek2_hf(c: dict[str, Any]) -> dict:
                      v=int(c["v_head_dim"]), dense=int(c.get("first_k_dense_replace") or 0),
                      dense_ff=int(c["intermediate_size"]), moe_ff=int(c["moe_intermediate_size"]),
                      n_shared=int(c.get("n_shared_experts") or 0), router=router,
-                     rope_scaling=_hf_yarn(rope, int(c.get("max_position_embeddings", 4096)))) | {
+                     rope_scaling=_hf_yarn(rope, int(c.get("max_position_embeddings", 4096))),
+                     mtp=int(c.get("num_nextn_predict_layers") or 0)) | {
         "norm_topk_prob": bool(c.get("norm_topk_prob", False)) if v3 else False}
 
 
@@ -110,12 +114,13 @@ def deepseek2_gguf(m: dict[str, Any]) -> dict:
               "group_score": "top2sum" if gating == "sigmoid" else "max",
               "scale": float(m.get(a + "expert_weights_scale", 1.0) or 1.0)}
     log_mul = float(m.get(a + "rope.scaling.yarn_log_multiplier", 0.0) or 0.0)
-    out = _deepseek(int(m[a + "block_count"]), int(m[a + "attention.head_count"]),
+    mtp = int(m.get(a + "nextn_predict_layers", 0) or 0)     # counted in block_count, after the model's layers
+    out = _deepseek(int(m[a + "block_count"]) - mtp, int(m[a + "attention.head_count"]),
                     q_rank=int(m.get(a + "attention.q_lora_rank", 0) or 0), kv_rank=int(m[a + "attention.kv_lora_rank"]),
                     nope=qk - rope, rope=rope, v=v, dense=int(m.get(a + "leading_dense_block_count", 0)),
                     dense_ff=int(m[a + "feed_forward_length"]), moe_ff=int(m[a + "expert_feed_forward_length"]),
                     n_shared=int(m.get(a + "expert_shared_count", 0)), router=router,
-                    rope_scaling=_gguf_yarn(m, a, log_mul / 0.1))
+                    rope_scaling=_gguf_yarn(m, a, log_mul / 0.1), mtp=mtp)
     out["norm_topk_prob"] = bool(m.get(a + "expert_weights_norm", False))
     return out
 

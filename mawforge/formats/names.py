@@ -70,6 +70,12 @@ _HF_ARCH = {
         (r"layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", "blk.{0}.ffn_{1}.weight"),
         (r"layers\.(\d+)\.mlp\.shared_experts\.(gate|up|down)_proj\.weight", "blk.{0}.ffn_{1}_shexp.weight"),
         (r"layers\.(\d+)\.mlp\.gate\.e_score_correction_bias", "blk.{0}.exp_probs_b.bias"),
+        # DeepSeek-V3 MTP (nextn) layer n_layers, as llama.cpp's gguf-py names it (glm4moe's loader);
+        # its embed_tokens and shared_head.head repeat the model's own and are not read
+        (r"layers\.(\d+)\.eh_proj\.weight", "blk.{0}.nextn.eh_proj.weight"),
+        (r"layers\.(\d+)\.enorm\.weight", "blk.{0}.nextn.enorm.weight"),
+        (r"layers\.(\d+)\.hnorm\.weight", "blk.{0}.nextn.hnorm.weight"),
+        (r"layers\.(\d+)\.shared_head\.norm\.weight", "blk.{0}.nextn.shared_head_norm.weight"),
     ],
     "gpt-oss": [
         (r"layers\.(\d+)\.post_attention_layernorm\.weight", "blk.{0}.post_attention_norm.weight"),

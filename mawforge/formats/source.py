@@ -98,8 +98,12 @@ class Source:
         return [k for k in EXPERT_KINDS if (layer, k) in self.experts]
 
     def fold_extra_layers(self) -> None:
-        """Routed experts of layers past n_layers (Qwen3.5's MTP block) become common tensors:
-        one 3-D tensor when the experts are contiguous, else one tensor per expert."""
+        """Routed experts of layers past n_layers (the MTP blocks of Qwen3.5 and DeepSeek-V3)
+        become common tensors: one 3-D tensor when the experts are contiguous, else one tensor
+        per expert. An MTP layer's own embedding and output head (GGUF nextn.embed_tokens,
+        nextn.shared_head_head) repeat the model's (DeepSeek-V3 shares them) and are dropped."""
+        for name in [n for n in self.common if n.endswith(("nextn.embed_tokens.weight", "nextn.shared_head_head.weight"))]:
+            del self.common[name]
         for (layer, kind) in [k for k in self.experts if k[0] >= self.config.n_layers]:
             t = self.experts.pop((layer, kind))
             (path, off, n), per = t.pieces[0], t.expert_nbytes

@@ -10,6 +10,9 @@ only, limits the choice to the best groups (sum of each group's top-2), renormal
 scales by routed_scaling_factor. Shared experts run beside the routed ones; the first
 first_k_dense_replace layers have a dense MLP and no routed experts.
 
+DeepSeek-V3's MTP (nextn) layer, llama.cpp's layer n_layers, drafts for `--speculative mtp`:
+`mtp_step` is one step (see its docstring), models/mtp.py chains them.
+
 Legend: T tokens, C hidden, H heads, N qk_nope dim, P qk_rope dim, R kv_lora_rank,
 Vd v head dim, S cached positions, E experts, G expert groups, k experts per token.
 """
@@ -17,9 +20,11 @@ from __future__ import annotations
 
 import torch
 
+from mawforge.engine.kv import KVCache
 from mawforge.formats.families_ds_oss import yarn_mscale
 from mawforge.kernels import linear
 from mawforge.models.base import MoETransformer, Rope, rms_norm
+from mawforge.models.mtp import MtpMixin
 
 
 def swiglu_mlp(w, prefix: str, suffix: str, x: torch.Tensor) -> torch.Tensor:
@@ -29,7 +34,7 @@ def swiglu_mlp(w, prefix: str, suffix: str, x: torch.Tensor) -> torch.Tensor:
     return linear(torch.nn.functional.silu(g) * u, w.packed(f"{prefix}ffn_down{suffix}.weight")).float()
 
 
-class Deepseek2(MoETransformer, arch="deepseek2"):
+class Deepseek2(MtpMixin, MoETransformer, arch="deepseek2"):
     def __init__(self, cfg, weights, experts, device):
         super().__init__(cfg, weights, experts, device)
         x = cfg.extra
@@ -104,3 +109,54 @@ class Deepseek2(MoETransformer, arch="deepseek2"):
     def beside_experts(self, layer: int, h: torch.Tensor) -> torch.Tensor | None:
         p = f"blk.{layer}."
         return swiglu_mlp(self.w, p, "_shexp", h) if self.w.has(p + "ffn_gate_shexp.weight") else None
+
+    # ---- multi-token prediction ---------------------------------------------------------
+    def _forward(self, tokens: torch.Tensor, pos0: int, kv, all_logits: bool) -> torch.Tensor:
+        if self.mtp is None:
+            return super()._forward(tokens, pos0, kv, all_logits)
+        h = self.hidden(tokens, pos0, kv)
+        self.keep_hidden(pos0, h)
+        return linear(h if all_logits else h[-1:], self.w.head()).float()          # [T, V]
+
+    def hidden(self, tokens: torch.Tensor, pos0: int, kv) -> torch.Tensor:
+        """The decoder loop of MoETransformer._forward, keeping every position's final-normed
+        hidden state [T, C] (the MTP layer reads them)."""
+        cfg, eps = self.cfg, self.cfg.norm_eps
+        pos = torch.arange(pos0, pos0 + tokens.shape[0], device=self.device)
+        h = self.w.embed(tokens)
+        for layer in range(cfg.n_layers):
+            p = f"blk.{layer}."
+            h = h + self.attention(layer, rms_norm(h, self.w.dense(p + "attn_norm.weight"), eps), pos, kv)
+            x = rms_norm(h, self.w.dense(p + self.ffn_norm_name), eps)
+            if self.router_hook is not None:
+                self.router_hook(layer, x)
+            h = h + self.ffn(layer, x)
+        return rms_norm(h, self.w.dense("output_norm.weight"), eps)
+
+    def mtp_cache(self, context: int, dtype: torch.dtype = torch.float32) -> KVCache:
+        """The MTP layer's own compressed KV cache (its layer index is n_layers)."""
+        c, m = self.cfg, self.mla
+        layout = [{"kind": "none"}] * c.n_layers + [{"kind": "latent", "dim": m["kv_lora_rank"] + m["qk_rope"]}]
+        return KVCache(c.n_layers + 1, c.n_kv_heads, c.head_dim, context, dtype, self.device, layout)
+
+    def mtp_step(self, hidden: torch.Tensor, tokens: torch.Tensor, pos0: int,
+                 mtp_kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, C] at positions pos0.. (`hidden()`, or a previous step's output), tokens [T]
+        at pos0+1.. -> (the layer's output [T, C], draft logits [T, V] for pos0+2..). DeepSeek-V3
+        MTP: eh_proj(cat(enorm(embed(tok)), hnorm(hidden))), one decoder layer (MLA + MoE with
+        shared experts), shared_head.norm, the shared LM head. The next chained step reads the
+        un-normed output (as vLLM's DeepSeek MTP). The caller commits mtp_kv."""
+        L, eps = self.cfg.n_layers, self.cfg.norm_eps
+        p = f"blk.{L}."
+        e = rms_norm(self.w.embed(tokens), self.w.dense(p + "nextn.enorm.weight"), eps)
+        hh = rms_norm(hidden, self.w.dense(p + "nextn.hnorm.weight"), eps)
+        h = self.proj(p + "nextn.eh_proj.weight", torch.cat((e, hh), dim=-1)).float()
+        pos = torch.arange(pos0, pos0 + tokens.shape[0], device=self.device)
+        h = h + self.attention(L, rms_norm(h, self.w.dense(p + "attn_norm.weight"), eps), pos, mtp_kv)
+        x = rms_norm(h, self.w.dense(p + self.ffn_norm_name), eps)
+        idx, wts = self.route(L, x)
+        h = h + self.mtp_experts(L, x, idx, wts)
+        shared = self.beside_experts(L, x)
+        h = h if shared is None else h + shared
+        out = rms_norm(h, self.w.dense(p + "nextn.shared_head_norm.weight"), eps)
+        return h, linear(out, self.w.head()).float()

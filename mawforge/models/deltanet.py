@@ -18,10 +18,16 @@ import torch.nn.functional as F
 from mawforge.kernels import linear
 
 
-def causal_conv(x: torch.Tensor, state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [T, Ch], state [Ch, K-1] (the previous K-1 inputs, updated in place), w [Ch, K] -> silu(conv) [T, Ch]."""
-    xs = torch.cat((state, x.T.to(state.dtype)), dim=1)                        # [Ch, K-1+T]
+def conv_inputs(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """x [T, Ch], state [Ch, K-1] (the previous K-1 inputs) -> [Ch, K-1+T]; the state keeps the last K-1."""
+    xs = torch.cat((state, x.T.to(state.dtype)), dim=1)
     state.copy_(xs[:, xs.shape[1] - state.shape[1]:])
+    return xs
+
+
+def causal_conv(x: torch.Tensor, state: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, Ch], state [Ch, K-1] (updated in place), w [Ch, K] -> silu(conv) [T, Ch]."""
+    xs = conv_inputs(x, state)                                                 # [Ch, K-1+T]
     out = F.conv1d(xs[None], w[:, None, :], groups=w.shape[0])[0]              # [Ch, T]
     return F.silu(out).T
 
@@ -46,6 +52,12 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return out
 
 
+def replay(state: list[torch.Tensor], conv_in: torch.Tensor, q, k, v, g, beta) -> None:
+    """Advance a layer's [conv, recurrent] state over recorded chunk inputs, as the forward did."""
+    conv_inputs(conv_in, state[0])
+    gated_delta_rule(q, k, v, g, beta, state[1])
+
+
 class DeltaNetMixer:
     """One linear-attention layer's token mixer over CommonWeights names blk.N.{attn_qkv, attn_gate,
     ssm_beta, ssm_alpha, ssm_conv1d, ssm_dt.bias, ssm_a | ssm_a_log, ssm_norm, ssm_out}."""
@@ -64,7 +76,9 @@ class DeltaNetMixer:
                               else -self.w.dense(p + "ssm_a_log").exp()).reshape(-1)
         return self._a[layer]
 
-    def __call__(self, layer: int, x: torch.Tensor, state: list[torch.Tensor]) -> torch.Tensor:
+    def __call__(self, layer: int, x: torch.Tensor, state: list[torch.Tensor], trail: list | None = None) -> torch.Tensor:
+        """trail: the KV cache's recorder for this layer (engine/kv.py) while a rollback mark is set;
+        the chunk leaves its recurrence inputs there so the state can be replayed to any prefix."""
         p, T = f"blk.{layer}.", x.shape[0]
         hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
         mixed = linear(x, self.w.packed(p + "attn_qkv.weight")).float()          # [T, Ch]
@@ -72,6 +86,7 @@ class DeltaNetMixer:
         b = linear(x, self.w.packed(p + "ssm_beta.weight")).float()              # [T, Hv]
         a = linear(x, self.w.packed(p + "ssm_alpha.weight")).float()
         conv_w = self.w.dense(p + "ssm_conv1d.weight")
+        conv_in = mixed
         mixed = causal_conv(mixed, state[0], conv_w.reshape(conv_w.shape[0], -1))
         q, k, v = mixed.split((hk * dk, hk * dk, hv * dv), dim=-1)
         q, k = l2norm(q.reshape(T, hk, dk)) * dk ** -0.5, l2norm(k.reshape(T, hk, dk))
@@ -80,7 +95,10 @@ class DeltaNetMixer:
             q, k = ((q.repeat(1, r, 1), k.repeat(1, r, 1)) if self.tiled
                     else (q.repeat_interleave(r, 1), k.repeat_interleave(r, 1)))    # [T, Hv, Dk]
         g = self.decay_rate(layer) * F.softplus(a + self.w.dense(p + "ssm_dt.bias"))
-        o = gated_delta_rule(q, k, v.reshape(T, hv, dv), g, torch.sigmoid(b), state[1])
+        v, beta = v.reshape(T, hv, dv), torch.sigmoid(b)
+        o = gated_delta_rule(q, k, v, g, beta, state[1])
+        if trail is not None:
+            trail.append((T, lambda st, m: replay(st, conv_in[:m], q[:m], k[:m], v[:m], g[:m], beta[:m])))
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.w.dense(p + "ssm_norm.weight")
         o = (o * F.silu(z)).reshape(T, hv * dv)
         return linear(o, self.w.packed(p + "ssm_out.weight")).float()

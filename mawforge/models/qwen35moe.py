@@ -6,8 +6,8 @@ Every layer's FFN is routed experts (softmax, renormalized top-k) plus a shared 
 a sigmoid gate. HF RMSNorm weights are zero-centred (x * (1 + w)); llama.cpp's converter stores
 1 + w, so config.extra["norm_offset"] says which (the delta-net's gated norm is plain in both).
 
-The MTP block (llama.cpp's layer n_layers, kept as common tensors) drafts one token ahead:
-`mtp_logits(hidden, tokens, pos0, mtp_kv)` — see its docstring.
+The MTP block (llama.cpp's layer n_layers, kept as common tensors) drafts tokens ahead for
+`--speculative mtp`: `mtp_step` is one step (see its docstring), models/mtp.py chains them.
 
 Legend: T tokens in the chunk, C hidden, H heads, G kv heads, D head dim, V vocab, k experts per token.
 """
@@ -16,13 +16,13 @@ from __future__ import annotations
 import torch
 
 from mawforge.engine.kv import KVCache
-from mawforge.formats import quants
 from mawforge.kernels import linear
 from mawforge.models.base import MoETransformer, attend, rms_norm, rope_rotate, route_softmax_topk
 from mawforge.models.deltanet import DeltaNetMixer
+from mawforge.models.mtp import MtpMixin
 
 
-class Qwen35Moe(MoETransformer, arch="qwen35moe"):
+class Qwen35Moe(MtpMixin, MoETransformer, arch="qwen35moe"):
     def __init__(self, cfg, weights, experts, device):
         super().__init__(cfg, weights, experts, device)
         x = cfg.extra
@@ -62,7 +62,8 @@ class Qwen35Moe(MoETransformer, arch="qwen35moe"):
     def layer(self, layer: int, h: torch.Tensor, pos: torch.Tensor, kv) -> torch.Tensor:
         p = f"blk.{layer}."
         x = self.norm(h, p + "attn_norm.weight")
-        mix = self.attention(layer, x, pos, kv) if self.full[layer] else self.mixer(layer, x, kv.layer_state(layer))
+        mix = (self.attention(layer, x, pos, kv) if self.full[layer]
+               else self.mixer(layer, x, kv.layer_state(layer), kv.recorder(layer)))
         h = h + mix
         x = self.norm(h, p + "post_attention_norm.weight")
         if self.router_hook is not None:
@@ -79,25 +80,23 @@ class Qwen35Moe(MoETransformer, arch="qwen35moe"):
 
     def _forward(self, tokens: torch.Tensor, pos0: int, kv, all_logits: bool = False) -> torch.Tensor:
         h = self.hidden(tokens, pos0, kv)
+        self.keep_hidden(pos0, h)
         return linear(h if all_logits else h[-1:], self.w.head()).float()          # [T, V]
 
     # ---- multi-token prediction ---------------------------------------------------------
-    @property
-    def has_mtp(self) -> bool:
-        return int(self.cfg.extra.get("mtp_layers", 0)) > 0 and self.w.has(f"blk.{self.cfg.n_layers}.nextn.eh_proj.weight")
-
     def mtp_cache(self, context: int, dtype: torch.dtype = torch.float32) -> KVCache:
         """The MTP block's own one-layer KV cache (its layer index is n_layers)."""
         c = self.cfg
-        layout = [{"kind": "recurrent", "state": []}] * c.n_layers + [
-            {"kind": "kv", "kv_heads": c.n_kv_heads, "head_dim": c.head_dim}]
+        layout = [{"kind": "none"}] * c.n_layers + [{"kind": "kv", "kv_heads": c.n_kv_heads, "head_dim": c.head_dim}]
         return KVCache(c.n_layers + 1, c.n_kv_heads, c.head_dim, context, dtype, self.device, layout)
 
-    def mtp_logits(self, hidden: torch.Tensor, tokens: torch.Tensor, pos0: int, mtp_kv: KVCache) -> torch.Tensor:
-        """Draft logits [T, V] for positions pos0+1.. : hidden [T, C] is `hidden()` at positions
-        pos0.., tokens [T] the tokens at pos0+1.. (the ones that follow). As llama.cpp's
-        qwen35moe MTP graph: eh_proj(cat(enorm(embed(tok)), hnorm(hidden))), one full-attention
-        MoE block at position pos0.., shared_head_norm, LM head. The caller commits mtp_kv."""
+    def mtp_step(self, hidden: torch.Tensor, tokens: torch.Tensor, pos0: int,
+                 mtp_kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, C] at positions pos0.. (`hidden()`, or a previous step's output), tokens [T]
+        at pos0+1.. -> (the block's normed output [T, C], draft logits [T, V] for pos0+2..).
+        As llama.cpp's qwen35moe MTP graph: eh_proj(cat(enorm(embed(tok)), hnorm(hidden))), one
+        full-attention MoE block at positions pos0.., shared_head_norm, LM head. The normed output
+        is what the next chained step reads (as vLLM's Qwen3-Next MTP). The caller commits mtp_kv."""
         L, p = self.cfg.n_layers, f"blk.{self.cfg.n_layers}."
         e = self.norm(self.w.embed(tokens), p + "nextn.enorm.weight")
         hh = self.norm(hidden, p + "nextn.hnorm.weight")
@@ -107,30 +106,11 @@ class Qwen35Moe(MoETransformer, arch="qwen35moe"):
         x = self.norm(h, p + "post_attention_norm.weight")
         logits = x @ self.w.dense(p + "ffn_gate_inp.weight").T
         idx, wts = route_softmax_topk(logits, self.cfg.top_k, self.cfg.norm_topk_prob)
-        h = h + self._mtp_experts(L, x, idx, wts) + self.beside_experts(L, x)
+        h = h + self.mtp_experts(L, x, idx, wts) + self.beside_experts(L, x)
         norm = p + "nextn.shared_head_norm.weight"
-        return linear(self.norm(h, norm if self.w.has(norm) else "output_norm.weight"), self.w.head()).float()
+        out = self.norm(h, norm if self.w.has(norm) else "output_norm.weight")
+        return out, linear(out, self.w.head()).float()
 
-    def _mtp_experts(self, layer: int, x: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
-        """The MTP block's routed experts live in common tensors (3-D ffn_*_exps, or per expert)."""
-        out = torch.zeros_like(x)
-        for e in torch.unique(idx).tolist():
-            rows, slot = (idx == e).nonzero(as_tuple=True)
-            parts = {kind: self._mtp_expert(layer, kind, e) for kind in ("gate", "up", "down", "gate_up")}
-            xe = x[rows]
-            if parts["gate_up"] is not None:
-                g, u = (xe @ parts["gate_up"].T).chunk(2, dim=-1)
-            else:
-                g, u = xe @ parts["gate"].T, xe @ parts["up"].T
-            y = (torch.nn.functional.silu(g) * u) @ parts["down"].T
-            out.index_add_(0, rows, y * wts[rows, slot, None])
-        return out
-
-    def _mtp_expert(self, layer: int, kind: str, e: int) -> torch.Tensor | None:
-        per, fused = f"blk.{layer}.ffn_{kind}.{e}.weight", f"blk.{layer}.ffn_{kind}_exps.weight"
-        if self.w.has(per):
-            return quants.dequantize(self.w.packed(per)).float()
-        if not self.w.has(fused):
-            return None
-        rec = self.w.records[fused]
-        return quants.dequantize(self.w.packed(fused)).float().view(rec.shape)[e]
+    def mtp_logits(self, hidden: torch.Tensor, tokens: torch.Tensor, pos0: int, mtp_kv: KVCache) -> torch.Tensor:
+        """Draft logits [T, V] of one MTP step (see mtp_step)."""
+        return self.mtp_step(hidden, tokens, pos0, mtp_kv)[1]
