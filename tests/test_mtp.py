@@ -195,7 +195,7 @@ def test_mtp_kv_follows_the_accepted_tokens(made, name, monkeypatch):
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     pack_dir = made[name][1]
     want, _, _, _ = run(pack_dir, "off", "50", params)
-    rt = runtime(pack_dir, "50")
+    rt = runtime(pack_dir, "50", prefill_chunk=8)              # the prompt's hidden states come in 3 chunks
     sp = Speculator(rt, SpecOptions(mode="mtp", k=3))
     m = rt.model
     monkeypatch.setattr(m, "mtp_propose", _forced(m, want, len(PROMPT), rt.cfg.vocab))
