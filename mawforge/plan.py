@@ -235,16 +235,88 @@ def plan_from_args(a: argparse.Namespace) -> Plan:
                      stream_embeddings=a.stream_embeddings, kv_dtype=a.kv_dtype)
 
 
+# ---- a draft model beside the target (speculative decoding) --------------------------------
+
+@dataclass(frozen=True)
+class PairPlan:
+    """A target and its draft model in one process: their L add up against one budget, and the
+    runtime overhead O is the target's alone (one process, one forward at a time)."""
+    target: Plan
+    draft: Plan
+    budget_bytes: int | None
+    L: int
+    F: int
+    feasible: bool
+    reason: str
+    draft_pack: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def table(self) -> str:
+        g = lambda n: f"{n / GiB:9.4f} GiB  ({n:,} B)"
+        d = self.draft
+        rows = [("draft pack", self.draft_pack or "-"), ("draft C  resident common", g(d.C)),
+                ("draft E  expert cache", g(d.E) + f"  {d.cache_percent:.1f}%"),
+                ("draft K  KV cache", g(d.K) + f"  context {d.context}, {d.kv_dtype}"),
+                ("draft L  = C + E + K", g(d.L)), ("L  target L + draft L", g(self.L)),
+                ("F  = L + O (O shared)", g(self.F)),
+                ("budget", g(self.budget_bytes) if self.budget_bytes is not None else "none given"),
+                ("decision", ("FEASIBLE" if self.feasible else "REJECTED") + (f": {self.reason}" if self.reason else ""))]
+        w = max(len(k) for k, _ in rows)
+        return self.target.table() + "\n\n" + "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+def draft_footprint(target: Plan, draft: Plan, budget_bytes: int | None = None, draft_pack: str = "") -> PairPlan:
+    """Target and draft against one budget (default: the target plan's own budget)."""
+    budget = target.budget_bytes if budget_bytes is None else budget_bytes
+    L = target.L + draft.L
+    reason = ""
+    if budget is not None and L > budget:
+        reason = (f"target L {target.L / GiB:.4f} GiB + draft L {draft.L / GiB:.4f} GiB = {L / GiB:.4f} GiB "
+                  f"exceeds the budget of {budget / GiB:.4f} GiB")
+    elif not target.feasible:
+        reason = f"target: {target.reason}"
+    elif not draft.feasible:
+        reason = f"draft: {draft.reason}"
+    return PairPlan(target, draft, budget, L, L + target.O, not reason, reason, draft_pack)
+
+
+def make_pair_plan(f: PackFacts, draft: PackFacts, *, memory_budget_gib: float | None = None,
+                   draft_cache_percent: float = 100.0, draft_pack: str = "", **kw) -> PairPlan:
+    """The draft's own plan at the target's context (as the draft drafter loads it: its cache
+    percent, the same KV dtype option, no budget of its own); the target then plans against the
+    budget less the draft's L, so a cache sized from the budget leaves room for the draft."""
+    dp = make_plan(draft, context=kw.get("context", 4096), expert_cache_percent=draft_cache_percent,
+                   kv_dtype=kw.get("kv_dtype"), prefill_chunk=kw.get("prefill_chunk", 128))
+    share = None if memory_budget_gib is None else memory_budget_gib - dp.L / GiB
+    tp = make_plan(f, memory_budget_gib=share, budget_source="--memory-budget-gib less the draft's L", **kw)
+    budget = None if memory_budget_gib is None else int(memory_budget_gib * GiB)
+    return draft_footprint(tp, dp, budget, draft_pack)
+
+
+def pair_plan_from_args(a: argparse.Namespace) -> PairPlan:
+    """For `plan`, `run` and `serve` alike (all take --draft-pack and --draft-cache-percent)."""
+    return make_pair_plan(PackFacts.from_pack(a.pack), PackFacts.from_pack(a.draft_pack),
+                          memory_budget_gib=a.memory_budget_gib, draft_cache_percent=a.draft_cache_percent,
+                          draft_pack=str(a.draft_pack), context=a.context,
+                          expert_cache_percent=a.expert_cache_percent, expert_cache_gib=a.expert_cache_gib,
+                          stream_embeddings=a.stream_embeddings, kv_dtype=a.kv_dtype,
+                          prefill_chunk=getattr(a, "prefill_chunk", 128))
+
+
 help = "say before loading whether a configuration fits a memory budget"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pack", required=True)
     add_budget_arguments(p)
+    p.add_argument("--draft-pack", default=None, help="a draft model for speculative decoding: plan the pair")
+    p.add_argument("--draft-cache-percent", type=float, default=100.0, help="the draft pack's expert cache")
     p.add_argument("--json", action="store_true")
 
 
 def main(a: argparse.Namespace) -> int:
-    plan = plan_from_args(a)
+    plan = pair_plan_from_args(a) if a.draft_pack else plan_from_args(a)
     print(json.dumps(plan.to_dict(), indent=1) if a.json else plan.table())
     return 0 if plan.feasible else BudgetRejected.exit_code

@@ -55,7 +55,8 @@ class Telemetry:
     peak_rss_bytes: int = 0
     budget_bytes: int | None = None
     budget_source: str = ""
-    planned_footprint_bytes: int = 0    # F = C + E + K + O
+    planned_footprint_bytes: int = 0    # F = C + E + K + O, plus the drafter's planned bytes
+    planned_draft_bytes: int = 0        # a draft model's L (or MTP state) within F
     cache_policy: str = ""
     pack_digest: str = ""
     finish_reason: str = ""
@@ -73,4 +74,5 @@ class Telemetry:
                 f"misses {self.misses} hit rate {100 * self.hit_rate:.1f}% evictions {self.evictions} | "
                 f"materialized {g(self.materialized_bytes)} | expert cache {g(self.expert_cache_bytes)} "
                 f"KV {g(self.kv_cache_bytes)} common {g(self.resident_common_bytes)} | "
-                f"peak RSS {g(self.peak_rss_bytes)} (planned F {g(self.planned_footprint_bytes)})")
+                f"peak RSS {g(self.peak_rss_bytes)} (planned F {g(self.planned_footprint_bytes)}"
+                + (f", draft {g(self.planned_draft_bytes)} of it)" if self.planned_draft_bytes else ")"))

@@ -72,3 +72,48 @@ def test_planned_footprint_is_within_ten_percent_of_measured_peak_rss(packs, sou
     print(f"{source}: planned F {t['planned_footprint_bytes'] / 2**20:.1f} MiB, "
           f"peak RSS {t['peak_rss_bytes'] / 2**20:.1f} MiB, ratio {ratio:.3f}")
     assert 0.9 <= ratio <= 1.1
+
+
+# ---- a draft model beside the target ------------------------------------------------------
+
+def _pair_cli(packs, *extra):
+    return run_cli("plan", "--pack", str(packs[("qwen3_moe", "Q4_K_M")]), "--draft-pack", str(packs[("qwen3_moe", "Q8_0")]),
+                   "--context", "512", *extra)
+
+
+def test_pair_plan_figures_are_the_sum_of_the_parts(packs):
+    draft = PackFacts.from_pack(packs[("qwen3_moe", "Q8_0")])
+    r = _pair_cli(packs, "--expert-cache-percent", "25", "--draft-cache-percent", "50", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    t, dp = d["target"], d["draft"]
+    assert dp["L"] == dp["C"] + dp["E"] + dp["K"] and dp["context"] == t["context"] == 512
+    assert dp["E"] == int(draft.expert_bytes * 0.5) and dp["K"] == kv_bytes(draft, 512, dp["kv_dtype"])
+    assert d["L"] == t["L"] + dp["L"] and d["F"] == d["L"] + t["O"] and d["feasible"] and d["budget_bytes"] is None
+    table = _pair_cli(packs, "--expert-cache-percent", "25", "--draft-cache-percent", "50")
+    assert table.returncode == 0 and f"({dp['L']:,} B)" in table.stdout and f"({d['L']:,} B)" in table.stdout
+    assert "draft L  = C + E + K" in table.stdout and "FEASIBLE" in table.stdout.splitlines()[-1]
+
+
+def test_budget_that_fits_the_target_alone_but_not_the_pair_is_rejected(packs, facts):
+    alone = make_plan(facts, context=512, expert_cache_percent=25)
+    draft_L = make_plan(PackFacts.from_pack(packs[("qwen3_moe", "Q8_0")]), context=512, expert_cache_percent=100).L
+    budget = str((alone.L + draft_L // 2) / GiB)
+    plain = run_cli("plan", "--pack", str(packs[("qwen3_moe", "Q4_K_M")]), "--context", "512",
+                    "--expert-cache-percent", "25", "--memory-budget-gib", budget)
+    assert plain.returncode == 0 and "FEASIBLE" in plain.stdout
+    r = _pair_cli(packs, "--expert-cache-percent", "25", "--memory-budget-gib", budget)
+    last = r.stdout.splitlines()[-1]
+    assert r.returncode == BudgetRejected.exit_code and "REJECTED" in last and "draft L" in last
+    d = json.loads(_pair_cli(packs, "--expert-cache-percent", "25", "--memory-budget-gib", budget, "--json").stdout)
+    assert not d["feasible"] and "draft" in d["reason"] and d["L"] == alone.L + draft_L
+
+
+def test_cache_sized_from_the_budget_leaves_room_for_the_draft(packs, facts):
+    draft_L = make_plan(PackFacts.from_pack(packs[("qwen3_moe", "Q8_0")]), context=512, expert_cache_percent=100).L
+    alone = make_plan(facts, context=512, expert_cache_percent=100)
+    budget = (alone.C + alone.K + alone.O + draft_L + facts.expert_bytes // 2) / GiB
+    d = json.loads(_pair_cli(packs, "--memory-budget-gib", str(budget), "--json").stdout)
+    t = d["target"]
+    assert d["feasible"] and "less the draft" in t["budget_source"] and 45 < t["cache_percent"] < 55
+    assert abs(t["E"] - (int(budget * GiB) - draft_L - t["C"] - t["K"] - t["O"])) <= 1

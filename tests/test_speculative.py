@@ -314,6 +314,24 @@ def test_cli_run_speculative_reports_counters(packs):
     assert r.returncode != 0 and "has no MTP layers" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_cli_run_plans_the_draft_beside_the_target(packs):
+    """run with --draft-pack checks target + draft against the budget before loading (exit 4, the
+    draft named), sizes the target's cache in what the draft leaves, and reports the draft's L in F."""
+    tf, df = PackFacts.from_pack(packs[TARGET]), PackFacts.from_pack(packs[DRAFT])
+    alone = make_plan(tf, context=128, expert_cache_percent=25)
+    draft_L = make_plan(df, context=128, expert_cache_percent=100).L
+    args = ("run", "--pack", str(packs[TARGET]), "--context", "128", "--max-tokens", "6", "--ignore-eos",
+            "--speculative", "draft", "--draft-pack", str(packs[DRAFT]), "--threads", "1")
+    r = run_cli(*args, "--expert-cache-percent", "25", "--memory-budget-gib", str((alone.L + draft_L // 2) / 2**30), "hi")
+    assert r.returncode == BudgetRejected.exit_code and "draft L" in r.stderr and "Traceback" not in r.stderr
+    roomy = (alone.C + alone.K + 2 * alone.O + draft_L + tf.expert_bytes) / 2**30
+    r = run_cli(*args, "--memory-budget-gib", str(roomy), "--telemetry-json", "one two one two")
+    assert r.returncode == 0, r.stderr
+    t = json.loads(r.stderr.strip().splitlines()[-1])
+    assert t["planned_draft_bytes"] == draft_L == t["speculative"]["draft"]["planned_bytes"]
+    assert "less the draft" in t["budget_source"] and t["planned_footprint_bytes"] > draft_L
+
+
 # ---- hybrid models: recurrent (delta-net) state rolls back ----------------------------------
 
 @pytest.fixture(scope="module")

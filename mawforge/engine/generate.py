@@ -108,6 +108,8 @@ def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
                     decoder.finish(used)
                     tele = _telemetry(rt, len(prompt), n, t0, t_first, before, emb_before, reason)
                     tele.speculative = decoder.report() or tele.speculative
+                    tele.planned_draft_bytes = tele.speculative.get("draft", {}).get("planned_bytes", 0)
+                    tele.planned_footprint_bytes += tele.planned_draft_bytes
                     yield Event(tok, text, reason, tele)
                     return
                 yield Event(tok, text)

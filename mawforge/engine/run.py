@@ -23,9 +23,9 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-out", default=None, help="write the route trace (.npz) here")
 
 
-def runtime_options(a: argparse.Namespace):
+def runtime_options(a: argparse.Namespace, reserved_bytes: int = 0):
     from mawforge.engine.runtime import RuntimeOptions
-    return RuntimeOptions(context=a.context, memory_budget_gib=a.memory_budget_gib,
+    return RuntimeOptions(reserved_bytes=reserved_bytes, context=a.context, memory_budget_gib=a.memory_budget_gib,
                           expert_cache_percent=a.expert_cache_percent, expert_cache_gib=a.expert_cache_gib,
                           policy=a.policy, prefetch=a.prefetch, device=a.device,
                           stream_embeddings=a.stream_embeddings, kv_dtype=a.kv_dtype,
@@ -67,11 +67,12 @@ def main(a: argparse.Namespace) -> int:
     from mawforge.engine.generate import generate
     from mawforge.engine.runtime import Runtime
     from mawforge.engine.sampling import SamplingParams
-    from mawforge.engine.speculative import speculator_from_args
+    from mawforge.engine.speculative import pair_plan_or_reject, speculator_from_args
+    pair = pair_plan_or_reject(a)          # a draft pack's L is planned beside the target's
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                             min_p=a.min_p, seed=a.seed, stop=tuple(a.stop), ignore_eos=a.ignore_eos)
     recorder = make_recorder(a)
-    rt = Runtime(a.pack, runtime_options(a), recorder=recorder)
+    rt = Runtime(a.pack, runtime_options(a, pair.draft.L if pair else 0), recorder=recorder)
     spec = None
     try:
         spec = speculator_from_args(rt, a)

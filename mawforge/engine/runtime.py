@@ -15,7 +15,7 @@ from mawforge.engine.weights import CommonWeights
 from mawforge.errors import BudgetRejected, FormatError, RequestError
 from mawforge.models import model_class
 from mawforge.pack.manifest import read_index, read_manifest
-from mawforge.plan import PackFacts, framework_in_process, make_plan
+from mawforge.plan import GiB, PackFacts, framework_in_process, make_plan
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class RuntimeOptions:
     prefill_chunk: int = 128
     threads: int | None = None
     lookahead: bool = False            # next-layer router lookahead prefetch (live only)
+    reserved_bytes: int = 0            # a draft model's L in this process: the target plans in the rest
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 1:
@@ -50,11 +51,14 @@ class Runtime:
         self.manifest, self.index = read_manifest(self.pack), read_index(self.pack)
         self.cfg = self.manifest.config
         self.facts = PackFacts.from_pack(self.pack)
-        self.plan = make_plan(self.facts, memory_budget_gib=opts.memory_budget_gib, context=opts.context,
+        budget, source = opts.memory_budget_gib, "--memory-budget-gib"
+        if budget is not None and opts.reserved_bytes:
+            budget, source = budget - opts.reserved_bytes / GiB, "--memory-budget-gib less the draft's L"
+        self.plan = make_plan(self.facts, memory_budget_gib=budget, context=opts.context,
                               expert_cache_percent=opts.expert_cache_percent,
                               expert_cache_gib=opts.expert_cache_gib, stream_embeddings=opts.stream_embeddings,
                               kv_dtype=opts.kv_dtype, prefill_chunk=opts.prefill_chunk,
-                              framework_bytes=framework_in_process())
+                              framework_bytes=framework_in_process(), budget_source=source)
         if not self.plan.feasible:
             raise BudgetRejected(f"plan rejected: {self.plan.reason}")
         if opts.stream_embeddings and self.cfg.tie_embeddings:

@@ -26,6 +26,7 @@ from mawforge.engine.runtime import Runtime
 from mawforge.engine.sampling import Sampler, SamplingParams
 from mawforge.engine.spec_accounting import AutoController, Counterfactual, RouteTap, counters, delta
 from mawforge.errors import BudgetRejected, RequestError
+from mawforge.plan import GiB, PairPlan, draft_footprint, pair_plan_from_args
 
 MODES = ("auto", "off", "ngram", "draft", "mtp")
 clock = time.perf_counter     # the engine-time clock auto compares modes with (tests replace it)
@@ -266,25 +267,33 @@ class Speculator:
             self.drafter.close()
 
 
-def draft_footprint(target_plan, draft_plan) -> dict:
-    """The planner extension for a draft model: its C + E + K add to the target's L (the
-    runtime overhead O is shared: the draft runs in the same process, one forward at a time)."""
-    L = target_plan.L + draft_plan.L
-    budget = target_plan.budget_bytes
-    ok = budget is None or L <= budget
-    return {"L": L, "F": L + target_plan.O, "draft_L": draft_plan.L, "feasible": ok,
-            "reason": "" if ok else f"target L + draft L = {L / 2**30:.4f} GiB exceeds the budget of "
-                                    f"{budget / 2**30:.4f} GiB"}
-
-
 def check_draft_budget(rt: Runtime, drafter: Drafter) -> None:
+    """The loaded pair against the whole --memory-budget-gib (the target may have planned against
+    the budget less the draft's L: RuntimeOptions.reserved_bytes)."""
     draft_rt = getattr(drafter, "rt", None)
     if draft_rt is None:
         return
-    fp = draft_footprint(rt.plan, draft_rt.plan)
-    if not fp["feasible"]:
+    budget = None if rt.opts.memory_budget_gib is None else int(rt.opts.memory_budget_gib * GiB)
+    pair = draft_footprint(rt.plan, draft_rt.plan, budget)
+    if not pair.feasible:
         drafter.close()
-        raise BudgetRejected(f"plan rejected with the draft model: {fp['reason']}")
+        raise BudgetRejected(f"plan rejected with the draft model: {pair.reason}")
+
+
+def uses_draft_pack(a: argparse.Namespace) -> bool:
+    """Whether this command's speculation may load --draft-pack: draft, or auto (which loads it
+    unless the model has MTP layers; the plan then keeps room the draft may not use)."""
+    return bool(a.draft_pack) and a.speculative in ("draft", "auto")
+
+
+def pair_plan_or_reject(a: argparse.Namespace) -> PairPlan | None:
+    """`run`/`serve` with a draft pack: the static plan of target + draft, checked before loading."""
+    if not uses_draft_pack(a):
+        return None
+    pair = pair_plan_from_args(a)
+    if not pair.feasible:
+        raise BudgetRejected(f"plan rejected with the draft model: {pair.reason}")
+    return pair
 
 
 def summary_line(s: dict) -> str:

@@ -334,12 +334,17 @@ def main(a: argparse.Namespace) -> int:
     import signal
 
     from mawforge.engine.runtime import Runtime
-    from mawforge.plan import PackFacts, make_plan
+    from mawforge.engine.speculative import uses_draft_pack
+    from mawforge.plan import PackFacts, make_plan, pair_plan_from_args
     opts = runtime_options(a)
-    plan = make_plan(PackFacts.from_pack(a.pack), memory_budget_gib=opts.memory_budget_gib, context=opts.context,
-                     expert_cache_percent=opts.expert_cache_percent, expert_cache_gib=opts.expert_cache_gib,
-                     stream_embeddings=opts.stream_embeddings, kv_dtype=opts.kv_dtype,
-                     prefill_chunk=opts.prefill_chunk)
+    if uses_draft_pack(a):                       # the draft's L is planned beside the target's
+        plan = pair_plan_from_args(a)
+        opts = runtime_options(a, plan.draft.L)
+    else:
+        plan = make_plan(PackFacts.from_pack(a.pack), memory_budget_gib=opts.memory_budget_gib, context=opts.context,
+                         expert_cache_percent=opts.expert_cache_percent, expert_cache_gib=opts.expert_cache_gib,
+                         stream_embeddings=opts.stream_embeddings, kv_dtype=opts.kv_dtype,
+                         prefill_chunk=opts.prefill_chunk)
     if not plan.feasible:
         print(plan.table(), file=sys.stderr)
         print(f"mawforge serve: refusing to start: plan rejected: {plan.reason}", file=sys.stderr)
