@@ -11,6 +11,8 @@ O  runtime overhead: the framework's own resident memory (measured in-process wh
    dequantization tiles of the kernels.
 A configuration is REJECTED when L exceeds the budget or when E is below one layer's top-k
 working set; rejection is a result (exit code 4 at the CLI), not an error.
+A draft model for speculative decoding (`--draft-pack`) is planned beside the target: its own
+C + E + K at the same context add to the target's L against the one budget (O is shared).
 """
 from __future__ import annotations
 

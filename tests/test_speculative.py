@@ -332,6 +332,28 @@ def test_cli_run_plans_the_draft_beside_the_target(packs):
     assert "less the draft" in t["budget_source"] and t["planned_footprint_bytes"] > draft_L
 
 
+def test_benchmark_script_writes_the_table(packs, tmp_path, capsys):
+    """benchmarks/speculative.py at smoke size: one row per mode x cache point x prompt, greedy
+    tokens identical to plain, and the ratios the issue asks for."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "speculative.py"
+    spec = importlib.util.spec_from_file_location("bench_speculative", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "rows.jsonl"
+    assert bench.main(["--pack", str(packs[TARGET]), "--draft-pack", str(packs[DRAFT]), "--cache", "min", "50",
+                       "--prompts", "prose", "--modes", "ngram", "draft", "--decode-tokens", "6",
+                       "--warmup-tokens", "2", "--json-out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["cache"], r["mode"]) for r in rows] == [(c, m) for c in ("min", "50") for m in ("plain", "ngram", "draft")]
+    assert rows[3]["cache_percent"] == 50.0 and 0 < rows[0]["distinct_fraction"] <= 1
+    for r in rows:
+        if r["mode"] != "plain":
+            assert r["identical"] and r["tok_s_ratio"] > 0 and r["materialized_ratio"] > 0
+    assert rows[2]["draft_planned_bytes"] > 0 and "dec x" in capsys.readouterr().out
+
+
 # ---- hybrid models: recurrent (delta-net) state rolls back ----------------------------------
 
 @pytest.fixture(scope="module")
