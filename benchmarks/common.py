@@ -75,7 +75,7 @@ def synth_model(layers: int, quant: str = "Q4_K_M", skew: float = 0.0, stickines
     return out
 
 
-def pack_of(gguf: Path, layout: str = "fast") -> Path:
+def pack_of(gguf: Path, layout: str = "exact") -> Path:
     out = gguf.with_suffix(f".{layout}.pack")
     if not (out / "manifest.json").exists():
         r = run_child([PY, "-m", "mawforge.cli", "pack", str(gguf), "-o", str(out), "--layout", layout,

@@ -49,7 +49,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--tokens", default="1,64")
-    ap.add_argument("--layout", default="fast", choices=["fast", "exact"])
+    ap.add_argument("--layout", default="exact", choices=["exact", "int4pack"])
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -21,7 +21,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--quant", default="Q4_K_M")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--layouts", default="exact,fast")
+    ap.add_argument("--layouts", default="exact,int4pack")
     a = ap.parse_args()
     src = synth_model(a.layers, a.quant)
     size = os.path.getsize(src)

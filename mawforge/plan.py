@@ -93,7 +93,7 @@ class PackFacts:
 
 
 def kv_dtype_for(f: PackFacts, kv_dtype: str | None) -> str:
-    return kv_dtype or ("float32" if f.all_dense_f32 else "bfloat16")
+    return kv_dtype or ("float32" if f.all_dense_f32 else "float16")   # float16: llama.cpp's default
 
 
 def kv_bytes(f: PackFacts, context: int, kv_dtype: str) -> int:
@@ -228,7 +228,7 @@ def add_budget_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-cache-percent", type=float, help="expert cache as %% of all routed expert bytes")
     g.add_argument("--expert-cache-gib", type=float, help="expert cache size in GiB")
     p.add_argument("--stream-embeddings", action="store_true", help="read token-embedding rows from the pack on demand")
-    p.add_argument("--kv-dtype", choices=tuple(DTYPE_BYTES), help="KV cache dtype (default: float32 for F32 packs, else bfloat16)")
+    p.add_argument("--kv-dtype", choices=tuple(DTYPE_BYTES), help="KV cache dtype (default: float32 for F32 packs, else float16 as llama.cpp)")
 
 
 def plan_from_args(a: argparse.Namespace) -> Plan:

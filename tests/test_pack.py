@@ -32,9 +32,11 @@ def _bf16_bound(ref: np.ndarray, group: int = 32) -> np.ndarray:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("source", ("hf", "hf_fused") + GGUF_FTYPES)
-def test_every_block_equals_its_source(fixtures_root, packs, arch, source):
-    pack = packs[(arch, source)]
+@pytest.mark.parametrize("source,layout", [(s, "exact") for s in ("hf", "hf_fused") + GGUF_FTYPES]
+                         + [("Q8_0", "int4pack"), ("Q4_K_M", "int4pack")])
+def test_every_block_equals_its_source(fixtures_root, packs, arch, source, layout):
+    """exact packs hold the source bytes; int4pack packs are within the bf16 rounding bound."""
+    pack = packs[(arch, source, layout)]
     src = open_source(_src_path(fixtures_root, arch, source))
     index = read_index(pack)
     for layer in range(src.config.n_layers):
@@ -129,20 +131,22 @@ def test_refuses_to_overwrite_without_force(fixtures_root, tmp_path):
     assert read_manifest(out).config.arch == "qwen3moe"
 
 
-def test_failure_mid_pack_leaves_nothing(fixtures_root, tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", ["exact", "int4pack"])
+def test_failure_mid_pack_leaves_nothing(fixtures_root, tmp_path, monkeypatch, layout):
     src = fixtures_root["qwen3_moe"]["gguf"]["Q4_K_M"]
     calls = {"n": 0}
-    real = packer._encode
+    real = packer._Progress.update
 
-    def boom(*a, **k):
+    def boom(self, n):
         calls["n"] += 1
         if calls["n"] > 5:
             raise KeyboardInterrupt
-        return real(*a, **k)
+        return real(self, n)
 
-    monkeypatch.setattr(packer, "_encode", boom)
+    monkeypatch.setattr(packer._Progress, "update", boom)
     with pytest.raises(KeyboardInterrupt):
-        packer.pack(src, tmp_path / "p", progress=False)
+        packer.pack(src, tmp_path / "p", layout=layout, progress=False)
+    assert calls["n"] > 5
     assert list(tmp_path.iterdir()) == []
 
 

@@ -79,7 +79,7 @@ def test_exact_codec_is_bit_exact(t, shape):
 @pytest.mark.parametrize("t", ALL_TYPES, ids=lambda t: t.name)
 def test_parts_match_encoded_arrays(t):
     shape = (256, 512)
-    for layout in ("fast", "exact"):
+    for layout in ("int4pack", "exact"):
         codec = quants.choose_codec(t, layout, shape)
         specs, arrays = codec.parts(t, shape), codec.encode(source_bytes(t, shape), t, shape)
         assert [a.shape for a in arrays] == [s.shape for s in specs]
@@ -93,11 +93,11 @@ def test_fast_layout_picks_native_int4_and_keeps_the_rest():
     native = quants.native_int4_codec()
     assert native is not None  # every x86 and arm torch build ships the CPU int4pack kernel
     for t in INT4_SOURCES:
-        assert quants.choose_codec(t, "fast").name == native
+        assert quants.choose_codec(t, "int4pack").name == native
         assert quants.choose_codec(t, "exact").name == "ggml"
-        assert quants.choose_codec(t, "fast", (40, 256)).name == "ggml"  # rows not a multiple of 16
-    assert quants.choose_codec(T.Q8_0, "fast").name == native.replace("int4", "int8")
-    assert [quants.choose_codec(t, "fast").name for t in (T.F32, T.F16, T.BF16, T.Q6_K, T.Q5_K)] == \
+        assert quants.choose_codec(t, "int4pack", (40, 256)).name == "ggml"  # rows not a multiple of 16
+    assert quants.choose_codec(T.Q8_0, "int4pack").name == native.replace("int4", "int8")
+    assert [quants.choose_codec(t, "int4pack").name for t in (T.F32, T.F16, T.BF16, T.Q6_K, T.Q5_K)] == \
         ["f32", "f16", "bf16", "ggml", "ggml"]
 
 
@@ -157,7 +157,7 @@ def check_linear(w, m, seed=1):
         assert ((y.double() - ref).abs() <= 2.0 ** -6 * scale).all()
 
 
-@pytest.mark.parametrize("layout", ["fast", "exact"])
+@pytest.mark.parametrize("layout", ["int4pack", "exact"])
 @pytest.mark.parametrize("t", ALL_TYPES, ids=lambda t: t.name)
 def test_linear_matches_dequantized_matmul(t, layout):
     shape = (256, 768)
@@ -170,7 +170,7 @@ def test_linear_matches_dequantized_matmul(t, layout):
 def test_linear_prefill_sizes_and_tiling(t, monkeypatch):
     """Many tokens take the dequantized-tile paths; small tiles exercise the tiled loop."""
     shape = (512, 256)
-    w = pack(quants.choose_codec(t, "fast", shape), source_bytes(t, shape), t, shape)
+    w = pack(quants.choose_codec(t, "int4pack", shape), source_bytes(t, shape), t, shape)
     check_linear(w, cpu.INT4PACK_MAX_M + 3)
     monkeypatch.setattr(cpu, "TILE_ELEMENTS", 16 * 256 * 3)
     check_linear(w, 5)
@@ -234,7 +234,7 @@ def test_bad_bytes_and_views_are_format_errors():
 
 def test_view_is_zero_copy():
     shape = (256, 256)
-    codec = quants.choose_codec(T.Q4_K, "fast")
+    codec = quants.choose_codec(T.Q4_K, "int4pack")
     w = pack(codec, source_bytes(T.Q4_K, shape), T.Q4_K, shape)
     base = w.parts["qweight"].untyped_storage().data_ptr()
     assert w.parts["scales_zeros"].untyped_storage().data_ptr() == base

@@ -95,44 +95,67 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# Bound on the per-position max |logit diff| against the float32 dequantized reference (logits
+# ~6): int4pack computes with bf16 activations and scales; the exact layout quantizes activations
+# to q8 per block as llama.cpp does.
+DEQUANT_BOUND = {"int4pack": 0.1, "exact": 0.15}
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("ftype", ["Q8_0", "Q4_K_M"])
-def test_quantized_packs_match_a_dequantized_reference(fixtures_root, packs, arch, ftype):
-    """Quantized weights are computed with bf16 activations (and bf16 scales on the int4/int8
-    paths): the max |diff| against the float32 dequantized reference must stay below 0.1 on
-    logits of magnitude ~6, and the top-1 must agree wherever the reference's top-2 margin
-    exceeds that bound (random tiny models have near-ties)."""
+@pytest.mark.parametrize("layout", ["exact", "int4pack"])
+def test_quantized_packs_match_a_dequantized_reference(fixtures_root, packs, arch, ftype, layout):
+    """Against transformers on the dequantized GGUF weights, per position (max over the vocab).
+    Measured medians: int4pack 0.024-0.068, exact 0.052-0.093; 95th percentiles 0.032-0.098
+    and 0.069-0.115. One or two of the 40 positions may sit at an expert-routing near-tie,
+    where the rounding picks the other expert (measured up to 0.78 there): so the 95th
+    percentile must be below the bound, and the top-1 must agree at >= 97% of the positions
+    where the reference's top-2 margin exceeds the bound."""
+    bound = DEQUANT_BOUND[layout]
     ref = _dequantized_reference(fixtures_root, arch, ftype)
-    got = _logits(packs[(arch, ftype)])
-    assert (got - ref).abs().max().item() < 0.1
+    got = _logits(packs[(arch, ftype, layout)])
+    per = (got - ref).abs().max(-1).values                                          # [T]
+    assert per.quantile(0.95).item() < bound
     top2 = ref.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) >= 0.1
-    assert clear.sum() >= len(TOKENS) // 2
-    assert (got.argmax(-1) == ref.argmax(-1))[clear].all()
+    clear = (top2[:, 0] - top2[:, 1]) >= bound
+    assert clear.sum() >= len(TOKENS) // 3
+    assert (got.argmax(-1) == ref.argmax(-1))[clear].float().mean().item() >= 0.97
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("ftype", ["F32", "F16", "Q8_0", "Q4_K_M"])
-def test_teacher_forced_agreement_with_llama_cpp(fixtures_root, packs, arch, ftype):
-    """Top-1 agreement with llama.cpp over 300 positions. F32 and F16 agree >= 99%. On quantized
-    files llama.cpp also quantizes activations (q8 per 32), adding ~0.05 of logit noise: the
-    measured agreement is 95-99%, and nearly every disagreement sits at a near-tie where llama.cpp's
-    own top-2 margin is below 0.1 (the rest follow an expert-routing near-tie): at clear positions
-    agreement must be >= 99%."""
+@pytest.mark.parametrize("ftype,layout", [("F32", "exact"), ("F16", "exact"), ("Q8_0", "exact"),
+                                          ("Q4_K_M", "exact"), ("Q4_K_M", "int4pack")])
+def test_teacher_forced_agreement_with_llama_cpp(fixtures_root, packs, arch, ftype, layout):
+    """Top-1 agreement with llama.cpp (the prompt in one batch) over 300 positions.
+
+    F32 and F16 agree at every position (the F16 path rounds activations to float16 as
+    llama.cpp does). Quantized: the exact layout computes every quantized matmul bit-for-bit
+    as ggml does (tests/test_native.py), and the first positions match llama.cpp exactly; but
+    after the first float-order difference flips one q8 rounding, the models drift apart by
+    ~0.05 of logit, and these random tiny models are full of near-ties. llama.cpp does not
+    agree with itself more closely: its own batched and one-token-at-a-time evaluations of the
+    same file agree on 96.7-99.7% of positions. So the test asserts agreement within 0.03 of
+    llama.cpp's self-agreement, >= 95% overall, and >= 99% where llama.cpp's top-2 margin is
+    at least 0.1."""
     rng = np.random.default_rng(0)
     tokens = [int(x) for x in rng.integers(5, 1000, 300)]
     gguf = fixtures_root[arch]["gguf"][ftype]
     ref = llama_logits(gguf, tokens, n_ctx=320)
-    got = _logits(packs[(arch, ftype)], tokens, prefill_chunk=64, expert_cache_percent=50).numpy()
+    got = _logits(packs[(arch, ftype, layout)], tokens, prefill_chunk=64, expert_cache_percent=50).numpy()
     agree = got.argmax(-1) == ref.argmax(-1)
     top2 = np.sort(ref, -1)[:, -2:]
     clear = (top2[:, 1] - top2[:, 0]) >= 0.1
-    print(f"{arch} {ftype}: top-1 agreement {agree.mean():.4f} over {len(tokens)} positions, "
-          f"{agree[clear].mean():.4f} over {clear.sum()} clear positions")
     if ftype in ("F32", "F16"):
-        assert agree.mean() >= 0.99 and agree[clear].all()
-    else:
-        assert agree.mean() >= 0.93 and agree[clear].mean() >= 0.99
+        print(f"{arch} {ftype}: top-1 agreement {agree.mean():.4f} over {len(tokens)} positions")
+        assert agree.all()
+        return
+    seq = llama_logits(gguf, tokens, n_ctx=320, n_batch=1)
+    own = (seq.argmax(-1) == ref.argmax(-1)).mean()
+    print(f"{arch} {ftype} {layout}: top-1 agreement {agree.mean():.4f} over {len(tokens)} positions "
+          f"(llama.cpp batched vs one token at a time: {own:.4f}), {agree[clear].mean():.4f} over "
+          f"{clear.sum()} clear positions")
+    assert agree.mean() >= max(0.95, own - 0.03)
+    assert agree[clear].mean() >= 0.99
 
 
 def _greedy(pack, n=24, **kw):

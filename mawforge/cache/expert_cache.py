@@ -20,7 +20,8 @@ from mawforge.cache.core import CacheCore, RouteDriver, check_capacity
 from mawforge.cache.policies import make_policy, make_prefetcher
 from mawforge.cache.store import ExpertStore, aligned_buffer, round_page
 from mawforge.formats import quants
-from mawforge.models.base import swiglu_expert
+from mawforge.kernels import cpu as kernels, native
+from mawforge.models.base import plain_swiglu, swiglu_expert
 from mawforge.pack.manifest import ExpertIndex
 
 Key = tuple[int, int]
@@ -153,6 +154,8 @@ class ExpertCache:
                 self._release(key)
             if group.misses:
                 self._load(group.misses)
+            if self._fused(x, group.keys, idx_np, w_np, out):
+                continue
             if x.shape[0] == 1:      # decode: no gather/scatter, one weighted sum
                 for key in group.keys:
                     j = int(np.flatnonzero(idx_np[0] == key[1])[0])
@@ -166,6 +169,34 @@ class ExpertCache:
                 out.index_add_(0, t, y)
         self._run_prefetch(self.driver.after_layer(layer))
         return out
+
+    def _fused(self, x: torch.Tensor, keys, idx_np: np.ndarray, w_np: np.ndarray, out: torch.Tensor) -> bool:
+        """All of a group's experts in one native call (decode, verify, small prefill chunks),
+        where the blocks are GGUF types the native kernels take and the model's experts are
+        plain SwiGLU. Returns False (nothing done) otherwise."""
+        if not keys or not plain_swiglu():
+            return False
+        slots = [self._ready(key) for key in keys]
+        parts = slots[0].weights
+        types = kernels.native_swiglu_types(parts, x.shape[0])
+        if types is None:
+            return False
+        fused = "gate_up" in parts
+        f = parts["down"].shape[1]
+        batch = native.ExpertBatch(types, f, x.shape[1])
+        for slot in slots:
+            p = slot.weights
+            if fused:
+                g = p["gate_up"].parts["blocks"]
+                batch.add(g.data_ptr(), g[f:].data_ptr(), p["down"].parts["blocks"].data_ptr())
+            else:
+                batch.add(p["gate"].parts["blocks"].data_ptr(), p["up"].parts["blocks"].data_ptr(),
+                          p["down"].parts["blocks"].data_ptr())
+        experts = np.array([e for _, e in keys])
+        hit = idx_np[None, :, :] == experts[:, None, None]                     # [E, T, k]
+        wts = (hit * w_np[None]).sum(-1, dtype=np.float32)                     # [E, T]
+        native.moe_ffn(x, batch, wts, out)
+        return True
 
     def preload(self) -> int:
         """Fill the cache with blocks in (layer, expert) order until it is full (a warm start,

@@ -387,15 +387,28 @@ def supported_types() -> list[str]:
     return sorted(names)
 
 
-def choose_codec(ggml_type: T, layout: str = "fast", shape: tuple[int, int] | None = None) -> Codec:
-    """The codec to store a tensor of `ggml_type` in. 'fast' transcodes Q4_0/Q4_1/Q4_K to this
-    CPU's int4_g32 layout where the shape allows; 'exact' keeps the source bytes."""
-    if layout not in ("fast", "exact"):
-        raise UnsupportedError(f"codec layout must be 'fast' or 'exact', got {layout!r}")
+LAYOUTS = ("exact", "int4pack")
+LAYOUT_ALIASES = {"fast": "int4pack"}     # the int4pack layout's name before the native kernels
+
+
+def pack_layout(name: str) -> str:
+    """The layout a user-given name means ('fast' is the old name of 'int4pack')."""
+    layout = LAYOUT_ALIASES.get(name, name)
+    if layout not in LAYOUTS:
+        raise UnsupportedError(f"pack layout must be one of {', '.join(LAYOUTS)}, got {name!r}")
+    return layout
+
+
+def choose_codec(ggml_type: T, layout: str = "exact", shape: tuple[int, int] | None = None) -> Codec:
+    """The codec to store a tensor of `ggml_type` in. 'exact' (the default) keeps the source
+    bytes, which the native kernels compute on as llama.cpp does; 'int4pack' transcodes
+    Q4_0/Q4_1/Q4_K (and Q8_0, as two planes) to this CPU's torch int4_g32 layout where the
+    shape allows (for machines without a C compiler, where the native kernels cannot build)."""
+    layout = pack_layout(layout)
     ggml_type = T(ggml_type)
     native = native_int4_codec()
     shape_ok = shape is None or (shape[0] % 16 == 0 and shape[1] % 32 == 0)
-    if layout == "fast" and native and shape_ok:
+    if layout == "int4pack" and native and shape_ok:
         for name in (native, native.replace("int4", "int8")):
             if Codec.registry[name].supports(ggml_type):
                 return Codec.registry[name]

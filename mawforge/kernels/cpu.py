@@ -28,8 +28,9 @@ TILE_ELEMENTS = 1 << 20
 INT4PACK_MAX_M = 160
 # Up to this many tokens a float32 GEMM on a float32 tile beats casting the tile to bf16.
 GGML_FP32_MAX_M = 16
-# the native K-quant kernel re-reads x per block row; beyond this many tokens tiles + GEMM win
-NATIVE_MAX_M = 8
+# Up to this many tokens the native integer kernels (cost linear in M) beat dequantizing tiles
+# and a float GEMM; see docs/quant-layouts.md for the measured crossover.
+NATIVE_MAX_M = 64
 
 
 class LinearKernel:
@@ -72,13 +73,15 @@ class DenseBF16(LinearKernel, codecs=("bf16",)):
 
 
 class DenseF16(LinearKernel, codecs=("f16",)):
-    """CPU float16 GEMM is slow beyond a GEMV, and bf16 would round the weights:
-    widen tiles of W to float32 (exact) and compute in float32."""
+    """CPU float16 GEMM is slow beyond a GEMV, and bf16 would round the weights: widen tiles
+    of W to float32 (exact) and compute in float32, on x rounded to float16 first, as llama.cpp
+    does (float16 is the vec_dot type of F16 weights)."""
 
     @staticmethod
     def run(x, w):
         weight = w.parts["weight"]
-        return _tiled(x.float(), w.shape[0], w.shape[1], lambda r0, r1: weight[r0:r1].float()).to(x.dtype)
+        xh = x.to(torch.float16).float()
+        return _tiled(xh, w.shape[0], w.shape[1], lambda r0, r1: weight[r0:r1].float()).to(x.dtype)
 
 
 class Int4G32(LinearKernel, codecs=("int4_g32_avx512", "int4_g32_avx2", "int4_g32_scalar")):
@@ -109,10 +112,10 @@ class Int8G32(LinearKernel, codecs=("int8_g32_avx512", "int8_g32_avx2", "int8_g3
 
 
 class Ggml(LinearKernel, codecs=("ggml",)):
-    """Byte-exact GGUF blocks. For few tokens on the CPU, Q6_K and Q5_K run the native fused
-    kernel (mawforge/kernels/native: unpack each block once, multiply in float32; ~25x the
-    torch path for a 2048x768 Q6_K GEMV). Otherwise dequantize row tiles (bit-exact float32)
-    and multiply: in float32 for few tokens, in bf16 for many."""
+    """Byte-exact GGUF blocks. For few tokens on the CPU, Q4_0, Q8_0, Q4_K, Q5_K and Q6_K run
+    the native kernels (mawforge/kernels/native: x quantized to q8 as llama.cpp does, integer
+    block dot products). Otherwise dequantize row tiles (bit-exact float32) and multiply: in
+    float32 for few tokens, in bf16 for many."""
 
     @staticmethod
     def run(x, w):
@@ -122,6 +125,19 @@ class Ggml(LinearKernel, codecs=("ggml",)):
         dtype = torch.float32 if x.shape[0] <= GGML_FP32_MAX_M else torch.bfloat16
         tile = lambda r0, r1: dequant.dequantize_rows(blocks[r0:r1], w.ggml_type, k).to(dtype)
         return _tiled(x.to(dtype), n, k, tile).to(x.dtype)
+
+
+def native_swiglu_types(parts: dict[str, PackedWeight], m: int) -> tuple[T, T, T] | None:
+    """The (gate, up, down) GGUF types when `native.moe_ffn` can compute a SwiGLU expert with
+    these parts (gate, up, down or gate_up, down) on m tokens here; None when it cannot."""
+    if m > NATIVE_MAX_M or not native.available():
+        return None
+    down = parts.get("down")
+    gates = [parts["gate_up"]] * 2 if "gate_up" in parts else [parts.get("gate"), parts.get("up")]
+    ws = [*gates, down]
+    if any(w is None or w.codec != "ggml" or w.device.type != "cpu" or not native.available(w.ggml_type) for w in ws):
+        return None
+    return ws[0].ggml_type, ws[1].ggml_type, ws[2].ggml_type
 
 
 def linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:

@@ -10,6 +10,7 @@ import math
 from contextvars import ContextVar
 from typing import Callable, ClassVar
 
+import numpy as np
 import torch
 
 from mawforge.formats.config import ModelConfig
@@ -17,23 +18,52 @@ from mawforge.kernels import linear
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """As ggml's rms_norm: squares summed in float64, scale = 1 / sqrt(mean + eps) in float32."""
     x32 = x.float()
-    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * w
+    mean = ((x32 * x32).double().sum(-1, keepdim=True) / x32.shape[-1]).float()
+    return x32 * (1.0 / torch.sqrt(mean + eps)) * w
 
 
 class Rope:
-    """Rotary embedding; "neox" rotates halves, "norm" rotates interleaved pairs."""
+    """Rotary embedding; "neox" rotates halves, "norm" rotates interleaved pairs.
+
+    cos/sin come from a table over positions, grown on demand (one lookup a layer instead of
+    recomputing the angles). Without YaRN the angles are ggml's: theta_0 = p and theta_i =
+    theta_{i-1} * base^(-2/D), multiplied in float32 pair by pair, as llama.cpp's rope cache."""
 
     def __init__(self, head_dim: int, base: float, layout: str, device: torch.device, yarn: dict | None = None):
-        self.layout, self.half = layout, head_dim // 2
+        self.layout, self.half, self.head_dim, self.base = layout, head_dim // 2, head_dim, base
+        self.device = device
         self.inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
         self.mscale = 1.0
+        self.yarn = bool(yarn)
         if yarn:
             self.inv_freq, self.mscale = _yarn(self.inv_freq, head_dim, base, yarn)
+        self.cos = self.sin = torch.empty(0, self.half, device=device)
+
+    def _grow(self, n: int) -> None:
+        n = max(n, 2 * self.cos.shape[0], 256)
+        if self.yarn:
+            ang = (torch.arange(n, dtype=torch.float64, device=self.device)[:, None] * self.inv_freq[None]).float().double()
+        else:
+            scale = np.power(np.float32(self.base), np.float32(-2.0) / np.float32(self.head_dim), dtype=np.float32)
+            theta = np.empty((n, self.half), np.float32)
+            theta[:, 0] = np.arange(n, dtype=np.float32)
+            for i in range(1, self.half):
+                theta[:, i] = theta[:, i - 1] * scale
+            ang = torch.from_numpy(theta.astype(np.float64)).to(self.device)
+        self.cos = (ang.cos().float() * self.mscale).contiguous()                 # [P, D/2]
+        self.sin = (ang.sin().float() * self.mscale).contiguous()
 
     def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:   # x [T, H, D], pos [T]
-        ang = (pos.to(torch.float64)[:, None] * self.inv_freq[None]).float()   # [T, D/2]
-        cos, sin = ang.cos()[:, None] * self.mscale, ang.sin()[:, None] * self.mscale   # [T, 1, D/2]
+        end = int(pos[-1]) + 1 if pos.numel() else 0
+        if end > self.cos.shape[0]:
+            self._grow(end)
+        if pos.numel() == 1:
+            p = int(pos[0])
+            cos, sin = self.cos[p:p + 1, None], self.sin[p:p + 1, None]           # [1, 1, D/2]
+        else:
+            cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]             # [T, 1, D/2]
         if self.layout == "neox":
             x1, x2 = x[..., :self.half], x[..., self.half:]
             return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
@@ -54,19 +84,29 @@ def rope_rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> t
 def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float,
            window: int | None = None) -> torch.Tensor:
     """Causal GQA over cached keys. q [T, H, D], keys/vals [G, S, D] (the last T are the chunk's
-    own) -> [T, H*D]. window: a query sees only the last `window` positions (itself included)."""
+    own) -> [T, H*D]. window: a query sees only the last `window` positions (itself included).
+
+    With a float16/bfloat16 cache this computes as llama.cpp's CPU attention does: q rounded to
+    the cache dtype, q.k and p.v accumulated in float32, softmax in float32, the probabilities
+    rounded to the cache dtype before p.v (ggml's mul_mat converts src1 to the f16 vec_dot type)."""
     T, H, D = q.shape
     G, S = keys.shape[0], keys.shape[1]
+    low = keys.dtype != torch.float32
     qg = q.view(T, G, H // G, D).permute(1, 2, 0, 3).reshape(G, H // G * T, D)
-    scores = torch.bmm(qg.to(keys.dtype), keys.transpose(1, 2)).float() * scale   # [G, H/G*T, S]
-    qpos = S - T + torch.arange(T, device=q.device)[:, None]                    # [T, 1]
-    kpos = torch.arange(S, device=q.device)[None]                               # [1, S]
-    mask = kpos > qpos
-    if window is not None:
-        mask = mask | (kpos <= qpos - window)
-    scores = scores.view(G, H // G, T, S).masked_fill(mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(G, H // G * T, S)
-    out = torch.bmm(probs.to(vals.dtype), vals).float()                         # [G, H/G*T, D]
+    if low:
+        qg = qg.to(keys.dtype)
+    scores = torch.bmm(qg.float(), keys.transpose(1, 2).float()) * scale          # [G, H/G*T, S]
+    if T > 1 or window is not None:
+        qpos = S - T + torch.arange(T, device=q.device)[:, None]                # [T, 1]
+        kpos = torch.arange(S, device=q.device)[None]                           # [1, S]
+        mask = kpos > qpos
+        if window is not None:
+            mask = mask | (kpos <= qpos - window)
+        scores = scores.view(G, H // G, T, S).masked_fill(mask, float("-inf")).view(G, H // G * T, S)
+    probs = torch.softmax(scores, dim=-1)
+    if low:
+        probs = probs.to(vals.dtype)
+    out = torch.bmm(probs.float(), vals.float())                                 # [G, H/G*T, D]
     return out.view(G, H // G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)
 
 
@@ -143,15 +183,7 @@ class MoETransformer:
         q = self.rope(q.view(T, H, D), pos)
         k = self.rope(k.view(T, G, D), pos)
         keys, vals = kv.append(layer, k, v.view(T, G, D))                          # [G, S, D]
-        S = keys.shape[1]
-        qg = q.view(T, G, H // G, D).permute(1, 2, 0, 3).reshape(G, H // G * T, D)
-        scores = torch.bmm(qg.to(keys.dtype), keys.transpose(1, 2)).float() * self.scale   # [G, H/G*T, S]
-        p0 = S - T
-        mask = torch.arange(S, device=x.device)[None] > (p0 + torch.arange(T, device=x.device))[:, None]  # [T, S]
-        scores = scores.view(G, H // G, T, S).masked_fill(mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(G, H // G * T, S)
-        out = torch.bmm(probs.to(vals.dtype), vals).float()                        # [G, H/G*T, D]
-        out = out.view(G, H // G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)
+        out = attend(q, keys, vals, self.scale)                                    # [T, H*D]
         return self.proj(p + "attn_output.weight", out)
 
     def ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -184,6 +216,12 @@ class MoETransformer:
 
 
 _EXPERT_FN: ContextVar[Callable | None] = ContextVar("expert_fn", default=None)
+
+
+def plain_swiglu() -> bool:
+    """True while the running model's experts are the plain SwiGLU of swiglu_expert (no
+    model-specific expert_fn), so a fused kernel may compute them."""
+    return _EXPERT_FN.get() is None
 
 
 def swiglu_expert(x: torch.Tensor, parts: dict) -> torch.Tensor:

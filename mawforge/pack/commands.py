@@ -16,8 +16,10 @@ class Pack:
         p.add_argument("source", help="model.gguf or a Hugging Face model directory")
         p.add_argument("-o", "--output", required=True, help="pack directory to create")
         p.add_argument("--alignment", type=int, default=65536, help="block alignment in bytes (>= 4096)")
-        p.add_argument("--layout", choices=("fast", "exact"), default="fast",
-                       help="fast: transcode to the runtime's fast kernels; exact: keep source bytes")
+        p.add_argument("--layout", choices=("exact", "int4pack", "fast"), default="exact",
+                       help="exact (default): keep the GGUF bytes, computed by the native kernels as "
+                            "llama.cpp does; int4pack (old name: fast): transcode Q4/Q8 to torch's CPU "
+                            "int4pack kernels, for machines without a C compiler")
         p.add_argument("--force", action="store_true", help="replace an existing pack")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
 

@@ -275,8 +275,9 @@ def _tokenizer(src: Source, tmp: Path) -> dict:
 
 
 def pack(source: str | os.PathLike, out: str | os.PathLike, *, alignment: int = 65536,
-         layout: str = "fast", force: bool = False, progress: bool = True) -> Manifest:
+         layout: str = "exact", force: bool = False, progress: bool = True) -> Manifest:
     out = Path(out)
+    layout = quants.pack_layout(layout)
     if out.exists() and not force:
         raise PackExists(f"{out} exists; pass --force to replace it")
     src = open_source(source)

@@ -1,4 +1,11 @@
-"""Native (C, OpenMP) fused kernels for the GGUF types torch has no fast path for: Q6_K, Q5_K.
+"""Native (C, OpenMP) kernels on GGUF blocks, computing as llama.cpp's CPU backend does:
+activations quantized to q8_K (for Q4_K, Q5_K, Q6_K) or q8_0 (for Q8_0, Q4_0) and every block
+dot product in integers (kquant_gemm.c explains the arithmetic).
+
+* `gemm(x, raw, qtype, n, k)`: one weight matrix, x [M, K] -> [M, N] float32.
+* `moe_ffn(x, experts, out)`: a layer's routed SwiGLU experts in one call (decode and small
+  batches): gate/up rows of every expert, then down rows, in one OpenMP region, so a layer's
+  experts cost one Python call instead of a dozen small torch ops per expert.
 
 The C source is compiled on first use with the system's C compiler into a cache directory
 ($MAWFORGE_CACHE or ~/.cache/mawforge), keyed by the source, the compiler flags and this CPU's
@@ -16,16 +23,22 @@ import tempfile
 import threading
 from pathlib import Path
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
 SOURCE = Path(__file__).with_name("kquant_gemm.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-FUNCS = {T.Q6_K: "q6k_gemm", T.Q5_K: "q5k_gemm"}
+# MAWFORGE_NATIVE_MARCH=x86-64 builds the portable scalar path (tests compare the two)
+FLAGS = ["-O3", f"-march={os.environ.get('MAWFORGE_NATIVE_MARCH', 'native')}", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+TYPES = (T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
+# the activation type llama.cpp quantizes x to for each weight type (its "vec_dot_type")
+ACT_BLOCK = {T.Q4_0: 32, T.Q8_0: 32, T.Q4_K: 256, T.Q5_K: 256, T.Q6_K: 256}
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 _threads = None
+_P = ctypes.c_void_p
+_I = ctypes.c_int
 
 
 def _cpu_flags() -> str:
@@ -47,18 +60,18 @@ def _build() -> ctypes.CDLL | None:
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             out = Path(tmp) / lib.name
-            r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+            r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
             if r.returncode != 0:
                 return None
             os.replace(out, lib)       # atomic: a concurrent builder sees all or nothing
     dll = ctypes.CDLL(str(lib))
-    for name in FUNCS.values():
+    for name, args in (("qgemm", [_I, _P, _I, _I, _P, _I, _P]),
+                       ("moe_ffn", [_P, _I, _I, _I, _I, _P, _P, _P, _I, _I, _I, _P, _P, _P, _P]),
+                       ("quantize_acts", [_I, _P, _I, _P, _P, _P]),
+                       ("supported", [_I]), ("simd_path", []), ("set_threads", [_I])):
         f = getattr(dll, name)
-        f.restype = None
-        f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-    dll.q6k_gemm.argtypes += [ctypes.c_void_p, ctypes.c_void_p]    # int8 and scale scratch for x
-    dll.q6k_integer.restype = ctypes.c_int
-    dll.set_threads.argtypes = [ctypes.c_int]
+        f.argtypes = args
+        f.restype = None if name == "set_threads" else ctypes.c_int
     return dll
 
 
@@ -72,31 +85,81 @@ def library() -> ctypes.CDLL | None:
 
 
 def available(qtype: T | None = None) -> bool:
-    return library() is not None and (qtype is None or qtype in FUNCS)
+    return library() is not None and (qtype is None or qtype in TYPES)
 
 
-def gemm(x: torch.Tensor, raw: torch.Tensor, qtype: T, n: int, k: int) -> torch.Tensor:
-    """x [M, K] (any float dtype, CPU) . W^T with W the GGUF rows in raw (uint8 [N, row bytes])."""
-    global _threads
+def simd() -> bool:
+    """True where the AVX2 path was compiled in (else the same integer arithmetic in plain C)."""
     lib = library()
-    xf = x.float().contiguous()
-    w = raw.contiguous()
-    y = torch.empty(xf.shape[0], n, dtype=torch.float32)
+    return bool(lib and lib.simd_path())
+
+
+def _sync_threads(lib) -> None:
+    global _threads
     nt = torch.get_num_threads()
     if nt != _threads:
         lib.set_threads(nt)
         _threads = nt
-    args = [xf.data_ptr(), xf.shape[0], k, w.data_ptr(), n, y.data_ptr()]
-    if qtype == T.Q6_K:
-        xq = torch.empty(xf.shape[0], k, dtype=torch.int8)
-        dx = torch.empty(xf.shape[0], k // 256, dtype=torch.float32)
-        args += [xq.data_ptr(), dx.data_ptr()]
-    getattr(lib, FUNCS[qtype])(*args)
+
+
+def gemm(x: torch.Tensor, raw: torch.Tensor, qtype: T, n: int, k: int) -> torch.Tensor:
+    """x [M, K] (any float dtype, CPU) . W^T with W the GGUF rows in raw (uint8 [N, row bytes])."""
+    lib = library()
+    _sync_threads(lib)
+    xf = x.float().contiguous()
+    w = raw.contiguous()
+    y = torch.empty(xf.shape[0], n, dtype=torch.float32)
+    rc = lib.qgemm(int(qtype), xf.data_ptr(), xf.shape[0], k, w.data_ptr(), n, y.data_ptr())
+    if rc != 0:
+        raise ValueError(f"native gemm cannot run {T(qtype).name} with K={k}")
     return y
 
 
-def q6k_quantizes_activations() -> bool:
-    """True where the Q6_K kernel runs in integers on int8-quantized x (AVX2 builds), as
-    llama.cpp does; the float path is exact up to float32 summation order."""
+def quantize_acts(x: torch.Tensor, qtype: T) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The activation rounding the kernels apply before a dot with qtype rows: x [K] ->
+    (q int8 [K], d float32 [K / block], sums of 16 int16 [K / 16]) (the sums for q8_K only)."""
     lib = library()
-    return bool(lib and lib.q6k_integer())
+    xf = x.float().contiguous()
+    k = xf.shape[0]
+    q = torch.empty(k, dtype=torch.int8)
+    d = torch.empty(k // ACT_BLOCK[qtype], dtype=torch.float32)
+    bs = torch.zeros(k // 16, dtype=torch.int16)
+    if lib.quantize_acts(int(qtype), xf.data_ptr(), k, q.data_ptr(), d.data_ptr(), bs.data_ptr()) != 0:
+        raise ValueError(f"cannot quantize activations for {T(qtype).name} with K={k}")
+    return q, d, bs
+
+
+class ExpertBatch:
+    """Pointers to a layer group's expert blocks for one `moe_ffn` call: gate/up [F, C] and down
+    [C, F] GGUF rows of one type each (gate and up may be the halves of a fused gate_up)."""
+
+    def __init__(self, qtypes: tuple[T, T, T], f: int, c: int):
+        self.qtypes, self.f, self.c = qtypes, f, c
+        self.gate: list[int] = []
+        self.up: list[int] = []
+        self.down: list[int] = []
+
+    def add(self, gate: int, up: int, down: int) -> None:
+        self.gate.append(gate)
+        self.up.append(up)
+        self.down.append(down)
+
+
+def moe_ffn(x: torch.Tensor, batch: ExpertBatch, wts: np.ndarray, out: torch.Tensor) -> None:
+    """out [M, C] float32 += sum over experts e of wts[e, m] * SwiGLU_e(x[m]); wts [E, M] with
+    zero where token m does not use expert e. The blocks must stay alive during the call."""
+    lib = library()
+    _sync_threads(lib)
+    xf = x.float().contiguous()
+    e = len(batch.gate)
+    ex, tok = np.nonzero(wts)                                   # pairs, sorted by expert
+    first = np.searchsorted(ex, np.arange(e + 1)).astype(np.int32)
+    tok = tok.astype(np.int32)
+    wt = np.ascontiguousarray(wts[ex, tok], dtype=np.float32)
+    arr = ctypes.c_void_p * e
+    tg, tu, td = (int(t) for t in batch.qtypes)
+    rc = lib.moe_ffn(xf.data_ptr(), xf.shape[0], batch.c, batch.f, e, arr(*batch.gate), arr(*batch.up),
+                     arr(*batch.down), tg, tu, td, first.ctypes.data, tok.ctypes.data, wt.ctypes.data,
+                     out.data_ptr())
+    if rc != 0:
+        raise ValueError(f"native moe_ffn cannot run types {batch.qtypes} with C={batch.c}, F={batch.f}")

@@ -1,14 +1,38 @@
-/* Fused dequantize-and-multiply for GGUF K-quant rows on the CPU: y[M,N] = x[M,K] . W[N,K]^T
- * where W stays in its GGUF bytes (Q6_K: 210 bytes / 256 weights, Q5_K: 176 bytes / 256).
- * For small M (decode, speculative verify): each 256-weight block is unpacked once into int8
- * and dotted with every row of x, so the packed bytes are read once per call. Rows of W are
- * split across OpenMP threads. Bit layouts follow ggml's dequantize_row_q6_K / _q5_K. */
+/* Matmul on GGUF blocks as llama.cpp's CPU backend computes it: y[M,N] = x[M,K] . W[N,K]^T with
+ * W in its GGUF bytes and x quantized per row to the weight type's "vec_dot type" first:
+ *   Q4_K, Q5_K, Q6_K  ->  q8_K (int8 per 256, float scale, sums of 16 for the min terms)
+ *   Q8_0, Q4_0        ->  q8_0 (int8 per 32, float16 scale)
+ * and every block dot product done in integers, scaled once per block in float32. The integer
+ * parts are exact, so results differ from llama.cpp's only in float32 summation order; and they
+ * differ from a float32 dequantize-and-multiply by the activation rounding llama.cpp also has.
+ *
+ * Entry points (called through ctypes by kernels/native/__init__.py):
+ *   qgemm(type, x, M, K, w, N, y)        one weight matrix; rows of W split across OpenMP threads
+ *   moe_ffn(...)                          a layer's routed experts (SwiGLU) in one parallel region
+ *   quantize_acts(type, x, K, q, d, bs)   the activation quantizer alone (tests)
+ *
+ * Bit layouts follow ggml's dequantize_row_* (docs/quant-layouts.md). AVX2 paths use
+ * maddubs/madd; other CPUs run the same integer arithmetic in scalar C.
+ *
+ * Legend: M rows of x (tokens), K row length, N rows of W, nb blocks a row, E experts, F expert width.
+ */
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
-#define MAXM 8   /* callers pass at most this many rows of x (NATIVE_MAX_M in kernels/cpu.py) */
+enum { T_Q4_0 = 2, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+enum { QK = 256, Q80 = 32 };
 
-static inline float f16_to_f32(uint16_t h) {
+#ifdef __F16C__
+#include <immintrin.h>
+static inline float f16(const uint8_t *p) { uint16_t h; memcpy(&h, p, 2); return _cvtsh_ss(h); }
+static inline float f16_soft(const uint8_t *p) {
+#else
+static inline float f16(const uint8_t *p) {
+#endif
+    uint16_t h; memcpy(&h, p, 2);
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
     if (exp == 0) {
         if (man == 0) { bits = sign; }
@@ -23,164 +47,496 @@ static inline float f16_to_f32(uint16_t h) {
     float f; memcpy(&f, &bits, 4); return f;
 }
 
-/* one Q6_K block -> 256 int8 values (q - 32) and 16 float scales (d * sc) */
-static inline void unpack_q6k(const uint8_t *b, int8_t *q, float *s) {
-    const uint8_t *ql = b, *qh = b + 128; const int8_t *sc = (const int8_t *)(b + 192);
-    uint16_t dh; memcpy(&dh, b + 208, 2); float d = f16_to_f32(dh);
-    for (int j = 0; j < 16; j++) s[j] = d * sc[j];
-    for (int n = 0; n < 2; n++) {
-        int8_t *y = q + 128 * n; const uint8_t *l = ql + 64 * n, *h = qh + 32 * n;
-        for (int i = 0; i < 32; i++) {
-            y[i]      = (int8_t)(((l[i] & 0xF)      | (((h[i] >> 0) & 3) << 4)) - 32);
-            y[i + 32] = (int8_t)(((l[i + 32] & 0xF) | (((h[i] >> 2) & 3) << 4)) - 32);
-            y[i + 64] = (int8_t)(((l[i] >> 4)       | (((h[i] >> 4) & 3) << 4)) - 32);
-            y[i + 96] = (int8_t)(((l[i + 32] >> 4)  | (((h[i] >> 6) & 3) << 4)) - 32);
+/* float32 -> float16 -> float32, round to nearest even (the scale of a q8_0 block is stored f16) */
+static inline float round_f16(float f) {
+    uint32_t x; memcpy(&x, &f, 4);
+    uint32_t sign = x & 0x80000000u; x ^= sign;
+    uint16_t h;
+    if (x >= 0x7f800000u) h = (uint16_t)(x > 0x7f800000u ? 0x7e00 : 0x7c00);
+    else if (x >= 0x477ff000u) h = 0x7c00;                              /* overflow to inf */
+    else if (x < 0x38800000u) {                                           /* subnormal or zero */
+        float a; memcpy(&a, &x, 4);
+        a += 0.5f;                                                        /* 2^-1 aligns 2^-24 ulps */
+        uint32_t b; memcpy(&b, &a, 4); h = (uint16_t)(b - 0x3f000000u);
+    } else {
+        uint32_t odd = (x >> 13) & 1;
+        x += 0xc8000fffu + odd;                                           /* rebias and round */
+        h = (uint16_t)(x >> 13);
+    }
+    h |= (uint16_t)(sign >> 16);
+    uint8_t p[2]; memcpy(p, &h, 2); return f16(p);
+}
+
+static inline int nearest_int(float v) {  /* round half to even, |v| < 2^22 */
+    float s = v + 12582912.f; int32_t i; memcpy(&i, &s, 4); return (i & 0x007fffff) - 0x00400000;
+}
+
+/* ---- activation quantizers ---------------------------------------------------------------- */
+/* A quantized row of K values: q int8 [K], d float [K/256 or K/32], bs int16 [K/16] (q8_K only). */
+typedef struct { int8_t *q; float *d; int16_t *bs; } qrow;
+
+static int act_kind(int type) { return (type == T_Q8_0 || type == T_Q4_0) ? 0 : 1; }   /* 0 q8_0, 1 q8_K */
+static int is_supported(int type) {
+    return type == T_Q4_0 || type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
+}
+
+/* q8_K as llama.cpp's quantize_row_q8_K / quantize_mat_q8_K: the scale maps the element of largest
+   magnitude to -127 (iscale = -127 / max, max signed), d = 1 / iscale. */
+static void quant_q8k_c(const float *x, int K, qrow r) {
+    for (int b = 0; b < K / QK; b++) {
+        const float *v = x + b * QK;
+        float amax = 0.f, max = 0.f;
+        for (int i = 0; i < QK; i++) { float a = fabsf(v[i]); if (a > amax) { amax = a; max = v[i]; } }
+        int8_t *q = r.q + b * QK;
+        if (amax == 0.f) {
+            memset(q, 0, QK); r.d[b] = 0.f;
+            for (int j = 0; j < 16; j++) r.bs[b * 16 + j] = 0;
+            continue;
         }
+        const float iscale = -127.f / max;
+        for (int i = 0; i < QK; i++) { int t = nearest_int(iscale * v[i]); q[i] = (int8_t)(t > 127 ? 127 : t); }
+        for (int j = 0; j < 16; j++) {
+            int s = 0; for (int i = 0; i < 16; i++) s += q[16 * j + i];
+            r.bs[b * 16 + j] = (int16_t)s;
+        }
+        r.d[b] = 1.f / iscale;
     }
 }
 
-static inline void k_scale_min(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
-    if (j < 4) { *sc = q[j] & 63; *m = q[j + 4] & 63; }
-    else { *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4); *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); }
-}
-
-/* one Q5_K block -> 256 int8 values q in [0, 31], 8 scales (d*sc) and 8 offsets (dmin*m) */
-static inline void unpack_q5k(const uint8_t *b, int8_t *q, float *s, float *o) {
-    uint16_t dh, mh; memcpy(&dh, b, 2); memcpy(&mh, b + 2, 2);
-    float d = f16_to_f32(dh), dmin = f16_to_f32(mh);
-    const uint8_t *scales = b + 4, *qh = b + 16, *ql = b + 48;
-    uint8_t u1 = 1, u2 = 2;
-    for (int j = 0; j < 4; j++) {
-        uint8_t sc, m;
-        k_scale_min(2 * j, scales, &sc, &m);     s[2 * j] = d * sc;     o[2 * j] = dmin * m;
-        k_scale_min(2 * j + 1, scales, &sc, &m); s[2 * j + 1] = d * sc; o[2 * j + 1] = dmin * m;
-        const uint8_t *l = ql + 32 * j; int8_t *y = q + 64 * j;
-        for (int i = 0; i < 32; i++) {
-            y[i]      = (int8_t)((l[i] & 0xF) + ((qh[i] & u1) ? 16 : 0));
-            y[i + 32] = (int8_t)((l[i] >> 4)  + ((qh[i] & u2) ? 16 : 0));
-        }
-        u1 <<= 2; u2 <<= 2;
+/* q8_0 as llama.cpp's AVX2 quantize_row_q8_0: d = max|x| / 127 stored as f16, q = round(x * 127 / max|x|) */
+static void quant_q80_c(const float *x, int K, qrow r) {
+    for (int b = 0; b < K / Q80; b++) {
+        const float *v = x + b * Q80;
+        float amax = 0.f;
+        for (int i = 0; i < Q80; i++) { float a = fabsf(v[i]); amax = a > amax ? a : amax; }
+        const float id = amax != 0.f ? 127.f / amax : 0.f;
+        for (int i = 0; i < Q80; i++) r.q[b * Q80 + i] = (int8_t)nearest_int(v[i] * id);
+        r.d[b] = round_f16(amax / 127.f);
     }
 }
 
 #ifdef __AVX2__
 #include <immintrin.h>
-
-/* x rows quantized to int8 per 256-weight block (scale = max|x| / 127), as llama.cpp's q8_K */
-static void quantize_x(const float *x, int M, int K, int8_t *xq, float *dx) {
-    for (int m = 0; m < M; m++)
-        for (int b = 0; b < K / 256; b++) {
-            const float *v = x + (long)m * K + b * 256;
-            float amax = 0.f;
-            for (int i = 0; i < 256; i++) { float a = v[i] < 0 ? -v[i] : v[i]; amax = a > amax ? a : amax; }
-            float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
-            int8_t *o = xq + (long)m * K + b * 256;
-            for (int i = 0; i < 256; i++) o[i] = (int8_t)__builtin_lrintf(v[i] * id);
-            dx[(long)m * (K / 256) + b] = d;
-        }
+static inline float hmax_ps(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
 }
 
-static inline int hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
+/* 32 floats times s, rounded half to even, saturated to int8, in order */
+static inline __m256i round_pack32(const float *v, __m256 s) {
+    __m256i i[4];
+    for (int k = 0; k < 4; k++)
+        i[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * k), s),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    return _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* one Q6_K block . one q8 block, in integers: 6-bit values (0..63) times int8 activations with
-   maddubs, minus 32 * sum(x), times the int8 sub-block scales with madd. */
-static inline int q6k_dot_q8(const uint8_t *b, const int8_t *q8) {
-    const uint8_t *ql = b, *qh = b + 128; const int8_t *sc = (const int8_t *)(b + 192);
-    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3), m32 = _mm256_set1_epi8(32);
-    __m256i sumi = _mm256_setzero_si256();
-    for (int j = 0; j < 2; j++, ql += 64, qh += 32) {
-        __m256i b1 = _mm256_loadu_si256((const __m256i *)ql), b2 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-        __m256i bh = _mm256_loadu_si256((const __m256i *)qh);
-        __m256i v[4];
-        v[0] = _mm256_or_si256(_mm256_and_si256(b1, m4), _mm256_slli_epi16(_mm256_and_si256(bh, m2), 4));
-        v[1] = _mm256_or_si256(_mm256_and_si256(b2, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 2), m2), 4));
-        v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 4), m2), 4));
-        v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 6), m2), 4));
-        const int8_t *x = q8 + 128 * j, *s = sc + 8 * j;
-        for (int k = 0; k < 4; k++) {
-            __m256i xk = _mm256_loadu_si256((const __m256i *)(x + 32 * k));
-            __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(v[k], xk), _mm256_maddubs_epi16(m32, xk));
-            __m256i scl = _mm256_set_m128i(_mm_set1_epi16(s[2 * k + 1]), _mm_set1_epi16(s[2 * k]));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(scl, p));
-        }
-    }
-    return hsum_i32(sumi);
+static inline int sum16_i8(const int8_t *q) {   /* via unsigned sums of |q + 128| */
+    const __m128i u = _mm_xor_si128(_mm_loadu_si128((const __m128i *)q), _mm_set1_epi8((char)0x80));
+    const __m128i s = _mm_sad_epu8(u, _mm_setzero_si128());
+    return _mm_cvtsi128_si32(s) + _mm_extract_epi16(s, 4) - 16 * 128;
 }
 
-/* xq: caller's scratch of M*K int8, dx: M*K/256 floats */
-void q6k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *xq, float *dx) {
-    const int nb = K / 256; const long rb = (long)nb * 210;
-    quantize_x(x, M, K, xq, dx);
-    #pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        const uint8_t *row = w + n * rb;
-        for (int m = 0; m < M; m++) {
-            float acc = 0.f;
-            for (int b = 0; b < nb; b++) {
-                uint16_t dh; memcpy(&dh, row + b * 210 + 208, 2);
-                acc += f16_to_f32(dh) * dx[(long)m * nb + b] * (float)q6k_dot_q8(row + b * 210, xq + (long)m * K + b * 256);
-            }
-            y[(long)m * N + n] = acc;
+/* the same values as the scalar quantizers (ties between +max and -max resolve to +, as
+   llama.cpp's AVX2 activation packer does) */
+static void quant_q8k(const float *x, int K, qrow r) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int b = 0; b < K / QK; b++) {
+        const float *v = x + b * QK;
+        __m256 m = _mm256_setzero_ps();
+        for (int i = 0; i < QK; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)));
+        const float amax = hmax_ps(m);
+        int8_t *q = r.q + b * QK;
+        if (amax == 0.f) {
+            memset(q, 0, QK); r.d[b] = 0.f;
+            for (int j = 0; j < 16; j++) r.bs[b * 16 + j] = 0;
+            continue;
         }
+        const __m256 av = _mm256_set1_ps(amax);
+        int pos = 0;
+        for (int i = 0; i < QK; i += 8) pos |= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + i), av, _CMP_EQ_OQ));
+        const float iscale = pos ? -127.f / amax : 127.f / amax;
+        const __m256 s = _mm256_set1_ps(iscale);
+        for (int i = 0; i < QK; i += 32) _mm256_storeu_si256((__m256i *)(q + i), round_pack32(v + i, s));
+        for (int j = 0; j < 16; j++) r.bs[b * 16 + j] = (int16_t)sum16_i8(q + 16 * j);
+        r.d[b] = 1.f / iscale;
     }
 }
-int q6k_integer(void) { return 1; }
+
+static void quant_q80(const float *x, int K, qrow r) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int b = 0; b < K / Q80; b++) {
+        const float *v = x + b * Q80;
+        __m256 m = _mm256_setzero_ps();
+        for (int i = 0; i < Q80; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)));
+        const float amax = hmax_ps(m);
+        const float id = amax != 0.f ? 127.f / amax : 0.f;
+        _mm256_storeu_si256((__m256i *)(r.q + b * Q80), round_pack32(v, _mm256_set1_ps(id)));
+        r.d[b] = round_f16(amax / 127.f);
+    }
+}
 #else
-void q6k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y, int8_t *xq, float *dx) {
-    const int nb = K / 256; const long rb = (long)nb * 210;
-    #pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        /* measured: this plain form beats a lane-partial-sum form for Q6_K (0.30 vs 0.46 ms for
-           a 2048x768 GEMV on 2 threads); the unpack dominates */
-        int8_t q[256]; float s[16]; float acc[16];
-        for (int m = 0; m < M; m++) y[(long)m * N + n] = 0.f;
-        for (int b = 0; b < nb; b++) {
-            unpack_q6k(w + n * rb + b * 210, q, s);
-            for (int m = 0; m < M; m++) {
-                const float *xb = x + (long)m * K + b * 256;
-                float sum = 0.f;
-                for (int j = 0; j < 16; j++) {
-                    float a = 0.f;
-                    for (int i = 0; i < 16; i++) a += (float)q[16 * j + i] * xb[16 * j + i];
-                    acc[j] = a;
-                }
-                for (int j = 0; j < 16; j++) sum += s[j] * acc[j];
-                y[(long)m * N + n] += sum;
-            }
-        }
-    }
-}
-
-int q6k_integer(void) { return 0; }
+#define quant_q8k quant_q8k_c
+#define quant_q80 quant_q80_c
 #endif
 
-void q5k_gemm(const float *x, int M, int K, const uint8_t *w, int N, float *y) {
-    const int nb = K / 256; const long rb = (long)nb * 176;
-    #pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        int8_t q[256]; float s[8], o[8]; float part[MAXM][32];
-        for (int m = 0; m < M; m++) for (int i = 0; i < 32; i++) part[m][i] = 0.f;
-        for (int b = 0; b < nb; b++) {
-            unpack_q5k(w + n * rb + b * 176, q, s, o);
-            for (int m = 0; m < M; m++) {
-                const float *xb = x + (long)m * K + b * 256;
-                for (int j = 0; j < 8; j++)
-                    for (int i = 0; i < 32; i++) part[m][i] += (s[j] * (float)q[32 * j + i] - o[j]) * xb[32 * j + i];
-            }
-        }
-        for (int m = 0; m < M; m++) {
-            float sum = 0.f;
-            for (int i = 0; i < 32; i++) sum += part[m][i];
-            y[(long)m * N + n] = sum;
-        }
-    }
+static void quant_row(int type, const float *x, int K, qrow r) {
+    if (act_kind(type)) quant_q8k(x, K, r); else quant_q80(x, K, r);
 }
 
-void set_threads(int n);
-#include <omp.h>
+/* bytes of scratch one quantized row of K needs, and a qrow laid out in it */
+static size_t qrow_bytes(int K) { return (size_t)K + (size_t)(K / Q80) * 4 + (size_t)(K / 16) * 2 + 64; }
+static qrow qrow_at(uint8_t *base, int K) {
+    qrow r; r.q = (int8_t *)base;
+    r.d = (float *)(base + ((K + 15) & ~15));
+    r.bs = (int16_t *)((uint8_t *)r.d + (K / Q80) * 4);
+    return r;
+}
+
+static inline void k_scale_min(int j, const uint8_t *q, int *sc, int *m) {
+    if (j < 4) { *sc = q[j] & 63; *m = q[j + 4] & 63; }
+    else { *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4); *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); }
+}
+
+/* the 8 six-bit scales and 8 six-bit mins of a Q4_K / Q5_K block, unpacked four bytes at a time */
+static inline void k_scales(const uint8_t *q, uint8_t sc[8], uint8_t mn[8]) {
+    uint32_t u[3], o[4];
+    memcpy(u, q, 12);
+    o[0] = u[0] & 0x3f3f3f3fu;
+    o[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    o[2] = u[1] & 0x3f3f3f3fu;
+    o[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    memcpy(sc, o, 8);
+    memcpy(mn, o + 2, 8);
+}
+
+/* ---- block dot products: one weight row (nb blocks) . one quantized row ------------------- */
+#ifdef __AVX2__
+#include <immintrin.h>
+
+static inline float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* sum over the 8 sub-blocks of 32 of mins[j] * (sum of x there), from the sums of 16 */
+static inline __m128 k_mins(const uint8_t *mn, const int16_t *bs) {
+    const __m128i m = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
+    const __m128i s = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs), _mm_loadu_si128((const __m128i *)(bs + 8)));
+    return _mm_cvtepi32_ps(_mm_madd_epi16(m, s));
+}
+
+static inline float hsum_ps128(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static float dot_q4k(const uint8_t *w, int nb, qrow x) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    __m256 acc = _mm256_setzero_ps();
+    __m128 accm = _mm_setzero_ps();
+    for (int b = 0; b < nb; b++, w += 144) {
+        const float xd = x.d[b];
+        const uint8_t *qs = w + 16;
+        const int8_t *q8 = x.q + b * QK;
+        uint8_t sc[8], mn[8];
+        k_scales(w + 4, sc, mn);
+        accm = _mm_fmadd_ps(_mm_set1_ps(f16(w + 2) * xd), k_mins(mn, x.bs + b * 16), accm);
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i q4 = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            const __m256i lo = _mm256_and_si256(q4, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+            const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(q8 + 64 * j)));
+            const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(q8 + 64 * j + 32)));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pl, _mm256_set1_epi16(sc[2 * j])));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(ph, _mm256_set1_epi16(sc[2 * j + 1])));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w) * xd), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum_ps(acc) - hsum_ps128(accm);
+}
+
+static float dot_q5k(const uint8_t *w, int nb, qrow x) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), m16 = _mm256_set1_epi8(16);
+    __m256 acc = _mm256_setzero_ps();
+    __m128 accm = _mm_setzero_ps();
+    for (int b = 0; b < nb; b++, w += 176) {
+        const float xd = x.d[b];
+        const uint8_t *qh = w + 16, *qs = w + 48;
+        const int8_t *q8 = x.q + b * QK;
+        uint8_t sc[8], mn[8];
+        k_scales(w + 4, sc, mn);
+        accm = _mm_fmadd_ps(_mm_set1_ps(f16(w + 2) * xd), k_mins(mn, x.bs + b * 16), accm);
+        const __m256i hbits = _mm256_loadu_si256((const __m256i *)qh);
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i q4 = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            /* bit 2j of qh[i] adds 16 to the low nibble, bit 2j+1 to the high one */
+            const __m256i hl = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * j), 4), m16);
+            const __m256i hh = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * j + 1), 4), m16);
+            const __m256i lo = _mm256_or_si256(_mm256_and_si256(q4, m4), hl);
+            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4, 4), m4), hh);
+            const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(q8 + 64 * j)));
+            const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(q8 + 64 * j + 32)));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pl, _mm256_set1_epi16(sc[2 * j])));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(ph, _mm256_set1_epi16(sc[2 * j + 1])));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w) * xd), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum_ps(acc) - hsum_ps128(accm);
+}
+
+/* 6-bit values (0..63) times int8 with maddubs; the -32 offset comes off through the sums of 16 */
+static float dot_q6k(const uint8_t *w, int nb, qrow x) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, w += 210) {
+        const uint8_t *ql = w, *qh = w + 128; const int8_t *sc = (const int8_t *)(w + 192);
+        const int8_t *q8 = x.q + b * QK;
+        const int16_t *bs = x.bs + b * 16;
+        /* 32 * sum_j sc[j] * (sum of x in sub-block j), subtracted for the -32 offset of the values */
+        __m256i sumi = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc)),
+                                                           _mm256_loadu_si256((const __m256i *)bs)), 5);
+        sumi = _mm256_sub_epi32(_mm256_setzero_si256(), sumi);
+        for (int j = 0; j < 2; j++, ql += 64, qh += 32) {
+            const __m256i b1 = _mm256_loadu_si256((const __m256i *)ql), b2 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            const __m256i bh = _mm256_loadu_si256((const __m256i *)qh);
+            __m256i v[4];
+            v[0] = _mm256_or_si256(_mm256_and_si256(b1, m4), _mm256_slli_epi16(_mm256_and_si256(bh, m2), 4));
+            v[1] = _mm256_or_si256(_mm256_and_si256(b2, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 2), m2), 4));
+            v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 4), m2), 4));
+            v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 6), m2), 4));
+            const int8_t *xq = q8 + 128 * j, *s = sc + 8 * j;
+            for (int k = 0; k < 4; k++) {
+                const __m256i p = _mm256_maddubs_epi16(v[k], _mm256_loadu_si256((const __m256i *)(xq + 32 * k)));
+                const __m256i scl = _mm256_set_m128i(_mm_set1_epi16(s[2 * k + 1]), _mm_set1_epi16(s[2 * k]));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(scl, p));
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w + 208) * x.d[b]), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum_ps(acc);
+}
+
+static inline __m256 dot32_i8(__m256i a, __m256i b) {   /* signed int8 . int8 over 32 lanes -> 8 float partials */
+    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+static float dot_q80(const uint8_t *w, int nb, qrow x) {   /* nb blocks of 32 */
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, w += 34) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 2));
+        const __m256i xq = _mm256_loadu_si256((const __m256i *)(x.q + b * Q80));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w) * x.d[b]), dot32_i8(q, xq), acc);
+    }
+    return hsum_ps(acc);
+}
+
+static float dot_q40(const uint8_t *w, int nb, qrow x) {   /* nb blocks of 32: d f16, 16 bytes of nibbles */
+    const __m256i m4 = _mm256_set1_epi8(0xF), m8 = _mm256_set1_epi8(8);
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, w += 18) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(w + 2));
+        __m256i q = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+        q = _mm256_sub_epi8(_mm256_and_si256(q, m4), m8);
+        const __m256i xq = _mm256_loadu_si256((const __m256i *)(x.q + b * Q80));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w) * x.d[b]), dot32_i8(q, xq), acc);
+    }
+    return hsum_ps(acc);
+}
+int simd_path(void) { return 1; }
+
+#else   /* the same integer arithmetic in plain C */
+
+static float dot_q4k(const uint8_t *w, int nb, qrow x) {
+    float sum = 0.f;
+    for (int b = 0; b < nb; b++, w += 144) {
+        const uint8_t *qs = w + 16; const int8_t *q8 = x.q + b * QK; const int16_t *bs = x.bs + b * 16;
+        int sumi = 0, mins = 0;
+        for (int j = 0; j < 8; j++) {
+            int sc, m; k_scale_min(j, w + 4, &sc, &m);
+            mins += m * (bs[2 * j] + bs[2 * j + 1]);
+            const uint8_t *q = qs + 32 * (j / 2); const int8_t *xv = q8 + 32 * j; int s = 0;
+            for (int i = 0; i < 32; i++) s += ((j & 1) ? (q[i] >> 4) : (q[i] & 0xF)) * xv[i];
+            sumi += sc * s;
+        }
+        sum += f16(w) * x.d[b] * (float)sumi - f16(w + 2) * x.d[b] * (float)mins;
+    }
+    return sum;
+}
+
+static float dot_q5k(const uint8_t *w, int nb, qrow x) {
+    float sum = 0.f;
+    for (int b = 0; b < nb; b++, w += 176) {
+        const uint8_t *qh = w + 16, *qs = w + 48; const int8_t *q8 = x.q + b * QK; const int16_t *bs = x.bs + b * 16;
+        int sumi = 0, mins = 0;
+        for (int j = 0; j < 8; j++) {
+            int sc, m; k_scale_min(j, w + 4, &sc, &m);
+            mins += m * (bs[2 * j] + bs[2 * j + 1]);
+            const uint8_t *q = qs + 32 * (j / 2); const int8_t *xv = q8 + 32 * j; int s = 0;
+            for (int i = 0; i < 32; i++) {
+                int v = ((j & 1) ? (q[i] >> 4) : (q[i] & 0xF)) + (((qh[i] >> j) & 1) << 4);
+                s += v * xv[i];
+            }
+            sumi += sc * s;
+        }
+        sum += f16(w) * x.d[b] * (float)sumi - f16(w + 2) * x.d[b] * (float)mins;
+    }
+    return sum;
+}
+
+static float dot_q6k(const uint8_t *w, int nb, qrow x) {
+    float sum = 0.f;
+    for (int b = 0; b < nb; b++, w += 210) {
+        const int8_t *sc = (const int8_t *)(w + 192); const int8_t *q8 = x.q + b * QK;
+        int sumi = 0;
+        for (int n = 0; n < 2; n++) {
+            const uint8_t *l = w + 64 * n, *h = w + 128 + 32 * n;
+            for (int i = 0; i < 32; i++) {
+                const int is = 8 * n + i / 16;
+                const int v0 = ((l[i] & 0xF) | (((h[i] >> 0) & 3) << 4)) - 32;
+                const int v1 = ((l[i + 32] & 0xF) | (((h[i] >> 2) & 3) << 4)) - 32;
+                const int v2 = ((l[i] >> 4) | (((h[i] >> 4) & 3) << 4)) - 32;
+                const int v3 = ((l[i + 32] >> 4) | (((h[i] >> 6) & 3) << 4)) - 32;
+                const int8_t *xv = q8 + 128 * n;
+                sumi += sc[is] * v0 * xv[i] + sc[is + 2] * v1 * xv[i + 32] + sc[is + 4] * v2 * xv[i + 64] + sc[is + 6] * v3 * xv[i + 96];
+            }
+        }
+        sum += f16(w + 208) * x.d[b] * (float)sumi;
+    }
+    return sum;
+}
+
+static float dot_q80(const uint8_t *w, int nb, qrow x) {
+    float sum = 0.f;
+    for (int b = 0; b < nb; b++, w += 34) {
+        const int8_t *q = (const int8_t *)(w + 2); int s = 0;
+        for (int i = 0; i < Q80; i++) s += q[i] * x.q[b * Q80 + i];
+        sum += f16(w) * x.d[b] * (float)s;
+    }
+    return sum;
+}
+
+static float dot_q40(const uint8_t *w, int nb, qrow x) {
+    float sum = 0.f;
+    for (int b = 0; b < nb; b++, w += 18) {
+        const uint8_t *q = w + 2; int s = 0;
+        for (int i = 0; i < 16; i++)
+            s += ((q[i] & 0xF) - 8) * x.q[b * Q80 + i] + ((q[i] >> 4) - 8) * x.q[b * Q80 + i + 16];
+        sum += f16(w) * x.d[b] * (float)s;
+    }
+    return sum;
+}
+int simd_path(void) { return 0; }
+#endif
+
+typedef float (*dot_fn)(const uint8_t *, int, qrow);
+static dot_fn dot_for(int type, int K, int *nb, long *row_bytes) {
+    switch (type) {
+    case T_Q4_K: *nb = K / QK; *row_bytes = (long)*nb * 144; return dot_q4k;
+    case T_Q5_K: *nb = K / QK; *row_bytes = (long)*nb * 176; return dot_q5k;
+    case T_Q6_K: *nb = K / QK; *row_bytes = (long)*nb * 210; return dot_q6k;
+    case T_Q8_0: *nb = K / Q80; *row_bytes = (long)*nb * 34; return dot_q80;
+    case T_Q4_0: *nb = K / Q80; *row_bytes = (long)*nb * 18; return dot_q40;
+    }
+    return 0;
+}
+
+/* per-thread scratch that only grows (the caller's Python thread; OpenMP workers never allocate) */
+static _Thread_local uint8_t *scratch = 0;
+static _Thread_local size_t scratch_size = 0;
+static uint8_t *scratch_for(size_t n) {
+    if (n > scratch_size) {
+        free(scratch);
+        scratch = (uint8_t *)aligned_alloc(64, (n + 63) & ~(size_t)63);
+        scratch_size = scratch ? n : 0;
+    }
+    return scratch;
+}
+
+int supported(int type) { return is_supported(type); }
+
+/* x [M, K] float32, w [N, row bytes] -> y [M, N]. Returns 0, or -1 for an unsupported type or K. */
+int qgemm(int type, const float *x, int M, int K, const uint8_t *w, int N, float *y) {
+    int nb; long rb;
+    dot_fn dot = dot_for(type, K, &nb, &rb);
+    if (!dot || K % (act_kind(type) ? QK : Q80)) return -1;
+    const size_t qb = qrow_bytes(K);
+    uint8_t *buf = scratch_for(qb * (size_t)M);
+    if (!buf) return -2;
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (int m = 0; m < M; m++) quant_row(type, x + (long)m * K, K, qrow_at(buf + qb * m, K));
+        #pragma omp for schedule(static)
+        for (int n = 0; n < N; n++)
+            for (int m = 0; m < M; m++) y[(long)m * N + n] = dot(w + rb * n, nb, qrow_at(buf + qb * m, K));
+    }
+    return 0;
+}
+
+/* One layer's routed experts, SwiGLU, over P (expert, token) pairs sorted by expert: pairs
+   first[e] .. first[e + 1] - 1 are expert e's, pair p is token tok[p] with routing weight wt[p]:
+   out[tok[p]] += wt[p] * down_e(silu(gate_e x) * up_e x). gate[e], up[e] are [F, C] GGUF rows of type
+   tg / tu, down[e] [C, F] of type td. One parallel region: every token's x quantized once, the gate
+   and up rows of all experts, h quantized per pair, then the down rows split by output feature (so
+   threads never write the same element). Returns 0, or -1 for unsupported types or shapes. */
+int moe_ffn(const float *x, int M, int C, int F, int E,
+            const uint8_t *const *gate, const uint8_t *const *up, const uint8_t *const *down,
+            int tg, int tu, int td, const int *first, const int *tok, const float *wt, float *out) {
+    int nbg, nbu, nbd; long rbg, rbu, rbd;
+    dot_fn dg = dot_for(tg, C, &nbg, &rbg), du = dot_for(tu, C, &nbu, &rbu), dd = dot_for(td, F, &nbd, &rbd);
+    if (!dg || !du || !dd || C % (act_kind(tg) ? QK : Q80) || C % (act_kind(tu) ? QK : Q80)
+        || F % (act_kind(td) ? QK : Q80)) return -1;
+    const int P = first[E];
+    const size_t qc = qrow_bytes(C), qf = qrow_bytes(F);
+    const int two = act_kind(tg) != act_kind(tu);           /* gate and up want different activation types */
+    const size_t need = qc * M * (1 + two) + sizeof(float) * (size_t)P * F + qf * (size_t)P;
+    uint8_t *buf = scratch_for(need);
+    if (!buf) return -2;
+    uint8_t *xg = buf, *xu = two ? buf + qc * M : buf;
+    float *h = (float *)(buf + qc * M * (1 + two));
+    uint8_t *hq = (uint8_t *)(h + (size_t)P * F);
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (int m = 0; m < M; m++) {
+            quant_row(tg, x + (long)m * C, C, qrow_at(xg + qc * m, C));
+            if (two) quant_row(tu, x + (long)m * C, C, qrow_at(xu + qc * m, C));
+        }
+        #pragma omp for schedule(static)
+        for (long i = 0; i < (long)E * F; i++) {
+            const int e = (int)(i / F), n = (int)(i % F);
+            for (int p = first[e]; p < first[e + 1]; p++) {
+                const float g = dg(gate[e] + rbg * n, nbg, qrow_at(xg + qc * tok[p], C));
+                const float u = du(up[e] + rbu * n, nbu, qrow_at(xu + qc * tok[p], C));
+                h[(long)p * F + n] = g / (1.f + expf(-g)) * u;
+            }
+        }
+        #pragma omp for schedule(static)
+        for (int p = 0; p < P; p++) quant_row(td, h + (long)p * F, F, qrow_at(hq + qf * p, F));
+        #pragma omp for schedule(static)
+        for (int c = 0; c < C; c++)
+            for (int e = 0; e < E; e++)
+                for (int p = first[e]; p < first[e + 1]; p++)
+                    out[(long)tok[p] * C + c] += wt[p] * dd(down[e] + rbd * c, nbd, qrow_at(hq + qf * p, F));
+    }
+    return 0;
+}
+
+/* the activation quantizer alone: q [K] int8, d [K/256 or K/32], bs [K/16] (q8_K only) */
+int quantize_acts(int type, const float *x, int K, int8_t *q, float *d, int16_t *bs) {
+    if (!is_supported(type) || K % (act_kind(type) ? QK : Q80)) return -1;
+    qrow r = {q, d, bs};
+    quant_row(type, x, K, r);
+    return 0;
+}
+
 void set_threads(int n) { omp_set_num_threads(n); }
