@@ -192,6 +192,12 @@ class ExpertCache:
             else:
                 batch.add(p["gate"].parts["blocks"].data_ptr(), p["up"].parts["blocks"].data_ptr(),
                           p["down"].parts["blocks"].data_ptr())
+        if x.shape[0] == 1:      # decode: one pair per expert
+            slot_of = {int(e): j for j, e in enumerate(idx_np[0])}
+            wt = np.array([w_np[0, slot_of[e]] for _, e in keys], dtype=np.float32)
+            pairs = (np.arange(len(keys) + 1, dtype=np.int32), np.zeros(len(keys), np.int32), wt)
+            native.moe_ffn(x, batch, None, out, pairs)
+            return True
         experts = np.array([e for _, e in keys])
         hit = idx_np[None, :, :] == experts[:, None, None]                     # [E, T, k]
         wts = (hit * w_np[None]).sum(-1, dtype=np.float32)                     # [E, T]

@@ -20,8 +20,8 @@ from mawforge.kernels import linear
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """As ggml's rms_norm: squares summed in float64, scale = 1 / sqrt(mean + eps) in float32."""
     x32 = x.float()
-    mean = ((x32 * x32).double().sum(-1, keepdim=True) / x32.shape[-1]).float()
-    return x32 * (1.0 / torch.sqrt(mean + eps)) * w
+    mean = (torch.sum(x32 * x32, -1, keepdim=True, dtype=torch.float64) / x32.shape[-1]).float()
+    return x32 * mean.add_(eps).sqrt_().reciprocal_() * w
 
 
 class Rope:

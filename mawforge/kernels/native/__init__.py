@@ -145,17 +145,24 @@ class ExpertBatch:
         self.down.append(down)
 
 
-def moe_ffn(x: torch.Tensor, batch: ExpertBatch, wts: np.ndarray, out: torch.Tensor) -> None:
+def pairs_from_weights(wts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """wts [E, M] (zero where token m does not use expert e) -> the (expert, token) pairs sorted
+    by expert, as moe_ffn takes them: first [E + 1] int32, tok [P] int32, wt [P] float32."""
+    ex, tok = np.nonzero(wts)
+    first = np.searchsorted(ex, np.arange(wts.shape[0] + 1)).astype(np.int32)
+    return first, tok.astype(np.int32), np.ascontiguousarray(wts[ex, tok], dtype=np.float32)
+
+
+def moe_ffn(x: torch.Tensor, batch: ExpertBatch, wts: np.ndarray, out: torch.Tensor,
+            pairs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
     """out [M, C] float32 += sum over experts e of wts[e, m] * SwiGLU_e(x[m]); wts [E, M] with
-    zero where token m does not use expert e. The blocks must stay alive during the call."""
+    zero where token m does not use expert e (or `pairs` as pairs_from_weights gives them).
+    The blocks must stay alive during the call."""
     lib = library()
     _sync_threads(lib)
     xf = x.float().contiguous()
     e = len(batch.gate)
-    ex, tok = np.nonzero(wts)                                   # pairs, sorted by expert
-    first = np.searchsorted(ex, np.arange(e + 1)).astype(np.int32)
-    tok = tok.astype(np.int32)
-    wt = np.ascontiguousarray(wts[ex, tok], dtype=np.float32)
+    first, tok, wt = pairs if pairs is not None else pairs_from_weights(wts)
     arr = ctypes.c_void_p * e
     tg, tu, td = (int(t) for t in batch.qtypes)
     rc = lib.moe_ffn(xf.data_ptr(), xf.shape[0], batch.c, batch.f, e, arr(*batch.gate), arr(*batch.up),
