@@ -202,3 +202,14 @@ def test_native_gemm_is_ggml_mul_mat(qt):
             np.testing.assert_array_equal(got, ref)
         else:
             np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("qt", TYPES)
+def test_batched_rows_equal_single_rows_bit_for_bit(qt):
+    """Q4_K and Q6_K run four rows of x per weight block (prefill, verify); every type must give
+    exactly what one-row calls give, so a token's logits do not depend on its batch."""
+    raw = _random_rows(qt, 48, 512, seed=4)
+    x = torch.randn(11, 512, generator=torch.Generator().manual_seed(6))
+    batched = native.gemm(x, raw, qt, 48, 512)
+    single = torch.cat([native.gemm(x[i:i + 1], raw, qt, 48, 512) for i in range(11)])
+    assert torch.equal(batched, single)

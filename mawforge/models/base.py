@@ -201,6 +201,12 @@ class MoETransformer:
             _EXPERT_FN.reset(token)
 
     def _forward(self, tokens: torch.Tensor, pos0: int, kv, all_logits: bool) -> torch.Tensor:
+        h = self.hidden(tokens, pos0, kv, last_only=not all_logits)
+        return linear(h, self.w.head()).float()                                   # [T, V]
+
+    def hidden(self, tokens: torch.Tensor, pos0: int, kv, last_only: bool = False) -> torch.Tensor:
+        """The decoder loop: tokens [T] -> final-normed hidden states [T, C] (the LM head's and
+        an MTP layer's input), or only the last row's [1, C]."""
         cfg = self.cfg
         pos = torch.arange(pos0, pos0 + tokens.shape[0], device=self.device)
         h = self.w.embed(tokens)                                                  # [T, C] f32
@@ -211,8 +217,7 @@ class MoETransformer:
             if self.router_hook is not None:
                 self.router_hook(layer, x)
             h = h + self.ffn(layer, x)
-        h = rms_norm(h if all_logits else h[-1:], self.w.dense("output_norm.weight"), cfg.norm_eps)
-        return linear(h, self.w.head()).float()                                   # [T, V]
+        return rms_norm(h[-1:] if last_only else h, self.w.dense("output_norm.weight"), cfg.norm_eps)
 
 
 _EXPERT_FN: ContextVar[Callable | None] = ContextVar("expert_fn", default=None)

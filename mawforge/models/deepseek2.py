@@ -118,21 +118,6 @@ class Deepseek2(MtpMixin, MoETransformer, arch="deepseek2"):
         self.keep_hidden(pos0, h)
         return linear(h if all_logits else h[-1:], self.w.head()).float()          # [T, V]
 
-    def hidden(self, tokens: torch.Tensor, pos0: int, kv) -> torch.Tensor:
-        """The decoder loop of MoETransformer._forward, keeping every position's final-normed
-        hidden state [T, C] (the MTP layer reads them)."""
-        cfg, eps = self.cfg, self.cfg.norm_eps
-        pos = torch.arange(pos0, pos0 + tokens.shape[0], device=self.device)
-        h = self.w.embed(tokens)
-        for layer in range(cfg.n_layers):
-            p = f"blk.{layer}."
-            h = h + self.attention(layer, rms_norm(h, self.w.dense(p + "attn_norm.weight"), eps), pos, kv)
-            x = rms_norm(h, self.w.dense(p + self.ffn_norm_name), eps)
-            if self.router_hook is not None:
-                self.router_hook(layer, x)
-            h = h + self.ffn(layer, x)
-        return rms_norm(h, self.w.dense("output_norm.weight"), eps)
-
     def mtp_cache(self, context: int, dtype: torch.dtype = torch.float32) -> KVCache:
         """The MTP layer's own compressed KV cache (its layer index is n_layers)."""
         c, m = self.cfg, self.mla

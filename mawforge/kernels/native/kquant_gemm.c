@@ -324,6 +324,75 @@ static float dot_q6k(const uint8_t *w, int nb, qrow x) {
     return hsum_ps(acc);
 }
 
+/* Four rows of x against one weight row: each block's scales are unpacked once and its values
+   loaded once for all four. Per row, the same float operations in the same order as the one-row
+   kernel, so the results are identical to four one-row calls. */
+static void dot4_q4k(const uint8_t *w, int nb, const qrow *x, float *out) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m128 accm[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
+    for (int b = 0; b < nb; b++, w += 144) {
+        const uint8_t *qs = w + 16;
+        uint8_t sc[8], mn[8];
+        k_scales(w + 4, sc, mn);
+        const float d = f16(w), dmin = f16(w + 2);
+        __m256i sumi[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int r = 0; r < 4; r++)
+            accm[r] = _mm_fmadd_ps(_mm_set1_ps(dmin * x[r].d[b]), k_mins(mn, x[r].bs + b * 16), accm[r]);
+        for (int j = 0; j < 4; j++) {
+            const __m256i q4 = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            const __m256i lo = _mm256_and_si256(q4, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+            const __m256i sl = _mm256_set1_epi16(sc[2 * j]), sh = _mm256_set1_epi16(sc[2 * j + 1]);
+            for (int r = 0; r < 4; r++) {
+                const int8_t *q8 = x[r].q + b * QK + 64 * j;
+                const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)q8));
+                const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(q8 + 32)));
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(pl, sl));
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(ph, sh));
+            }
+        }
+        for (int r = 0; r < 4; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[b]), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+    }
+    for (int r = 0; r < 4; r++) out[r] = hsum_ps(acc[r]) - hsum_ps128(accm[r]);
+}
+
+static void dot4_q6k(const uint8_t *w, int nb, const qrow *x, float *out) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int b = 0; b < nb; b++, w += 210) {
+        const uint8_t *ql = w, *qh = w + 128; const int8_t *sc = (const int8_t *)(w + 192);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        __m256i sumi[4];
+        for (int r = 0; r < 4; r++)
+            sumi[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(
+                _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(x[r].bs + b * 16))), 5));
+        for (int j = 0; j < 2; j++, ql += 64, qh += 32) {
+            const __m256i b1 = _mm256_loadu_si256((const __m256i *)ql), b2 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            const __m256i bh = _mm256_loadu_si256((const __m256i *)qh);
+            __m256i v[4];
+            v[0] = _mm256_or_si256(_mm256_and_si256(b1, m4), _mm256_slli_epi16(_mm256_and_si256(bh, m2), 4));
+            v[1] = _mm256_or_si256(_mm256_and_si256(b2, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 2), m2), 4));
+            v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 4), m2), 4));
+            v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 6), m2), 4));
+            const int8_t *s = sc + 8 * j;
+            for (int k = 0; k < 4; k++) {
+                const __m256i scl = _mm256_set_m128i(_mm_set1_epi16(s[2 * k + 1]), _mm_set1_epi16(s[2 * k]));
+                for (int r = 0; r < 4; r++) {
+                    const int8_t *xq = x[r].q + b * QK + 128 * j + 32 * k;
+                    const __m256i p = _mm256_maddubs_epi16(v[k], _mm256_loadu_si256((const __m256i *)xq));
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(scl, p));
+                }
+            }
+        }
+        const float d = f16(w + 208);
+        for (int r = 0; r < 4; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[b]), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+    }
+    for (int r = 0; r < 4; r++) out[r] = hsum_ps(acc[r]);
+}
+#define HAVE_DOT4 1
+
 static inline __m256 dot32_i8(__m256i a, __m256i b) {   /* signed int8 . int8 over 32 lanes -> 8 float partials */
     const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
@@ -438,6 +507,17 @@ int simd_path(void) { return 0; }
 #endif
 
 typedef float (*dot_fn)(const uint8_t *, int, qrow);
+typedef void (*dot4_fn)(const uint8_t *, int, const qrow *, float *);
+
+/* the four-row kernel of a type, where there is one (else callers run the one-row kernel) */
+static dot4_fn dot4_for(int type) {
+#ifdef HAVE_DOT4
+    if (type == T_Q4_K) return dot4_q4k;
+    if (type == T_Q6_K) return dot4_q6k;
+#endif
+    (void)type;
+    return 0;
+}
 static dot_fn dot_for(int type, int K, int *nb, long *row_bytes) {
     switch (type) {
     case T_Q4_K: *nb = K / QK; *row_bytes = (long)*nb * 144; return dot_q4k;
@@ -471,13 +551,24 @@ int qgemm(int type, const float *x, int M, int K, const uint8_t *w, int N, float
     const size_t qb = qrow_bytes(K);
     uint8_t *buf = scratch_for(qb * (size_t)M);
     if (!buf) return -2;
+    const dot4_fn dot4 = dot4_for(type);
     #pragma omp parallel
     {
         #pragma omp for schedule(static)
         for (int m = 0; m < M; m++) quant_row(type, x + (long)m * K, K, qrow_at(buf + qb * m, K));
         #pragma omp for schedule(static)
-        for (int n = 0; n < N; n++)
-            for (int m = 0; m < M; m++) y[(long)m * N + n] = dot(w + rb * n, nb, qrow_at(buf + qb * m, K));
+        for (int n = 0; n < N; n++) {
+            int m = 0;
+            if (dot4)
+                for (; m + 4 <= M; m += 4) {
+                    const qrow xr[4] = {qrow_at(buf + qb * m, K), qrow_at(buf + qb * (m + 1), K),
+                                        qrow_at(buf + qb * (m + 2), K), qrow_at(buf + qb * (m + 3), K)};
+                    float o[4];
+                    dot4(w + rb * n, nb, xr, o);
+                    for (int r = 0; r < 4; r++) y[(long)(m + r) * N + n] = o[r];
+                }
+            for (; m < M; m++) y[(long)m * N + n] = dot(w + rb * n, nb, qrow_at(buf + qb * m, K));
+        }
     }
     return 0;
 }
@@ -496,6 +587,7 @@ int moe_ffn(const float *x, int M, int C, int F, int E,
     if (!dg || !du || !dd || C % (act_kind(tg) ? QK : Q80) || C % (act_kind(tu) ? QK : Q80)
         || F % (act_kind(td) ? QK : Q80)) return -1;
     const int P = first[E];
+    const dot4_fn d4g = dot4_for(tg), d4u = dot4_for(tu), d4d = dot4_for(td);
     const size_t qc = qrow_bytes(C), qf = qrow_bytes(F);
     const int two = act_kind(tg) != act_kind(tu);           /* gate and up want different activation types */
     const size_t need = qc * M * (1 + two) + sizeof(float) * (size_t)P * F + qf * (size_t)P;
@@ -514,7 +606,19 @@ int moe_ffn(const float *x, int M, int C, int F, int E,
         #pragma omp for schedule(static)
         for (long i = 0; i < (long)E * F; i++) {
             const int e = (int)(i / F), n = (int)(i % F);
-            for (int p = first[e]; p < first[e + 1]; p++) {
+            int p = first[e];
+            if (d4g && d4u)
+                for (; p + 4 <= first[e + 1]; p += 4) {
+                    const qrow rg[4] = {qrow_at(xg + qc * tok[p], C), qrow_at(xg + qc * tok[p + 1], C),
+                                        qrow_at(xg + qc * tok[p + 2], C), qrow_at(xg + qc * tok[p + 3], C)};
+                    const qrow ru[4] = {qrow_at(xu + qc * tok[p], C), qrow_at(xu + qc * tok[p + 1], C),
+                                        qrow_at(xu + qc * tok[p + 2], C), qrow_at(xu + qc * tok[p + 3], C)};
+                    float g[4], u[4];
+                    d4g(gate[e] + rbg * n, nbg, rg, g);
+                    d4u(up[e] + rbu * n, nbu, ru, u);
+                    for (int r = 0; r < 4; r++) h[(long)(p + r) * F + n] = g[r] / (1.f + expf(-g[r])) * u[r];
+                }
+            for (; p < first[e + 1]; p++) {
                 const float g = dg(gate[e] + rbg * n, nbg, qrow_at(xg + qc * tok[p], C));
                 const float u = du(up[e] + rbu * n, nbu, qrow_at(xu + qc * tok[p], C));
                 h[(long)p * F + n] = g / (1.f + expf(-g)) * u;
@@ -524,9 +628,19 @@ int moe_ffn(const float *x, int M, int C, int F, int E,
         for (int p = 0; p < P; p++) quant_row(td, h + (long)p * F, F, qrow_at(hq + qf * p, F));
         #pragma omp for schedule(static)
         for (int c = 0; c < C; c++)
-            for (int e = 0; e < E; e++)
-                for (int p = first[e]; p < first[e + 1]; p++)
+            for (int e = 0; e < E; e++) {
+                int p = first[e];
+                if (d4d)
+                    for (; p + 4 <= first[e + 1]; p += 4) {
+                        const qrow rh[4] = {qrow_at(hq + qf * p, F), qrow_at(hq + qf * (p + 1), F),
+                                            qrow_at(hq + qf * (p + 2), F), qrow_at(hq + qf * (p + 3), F)};
+                        float o[4];
+                        d4d(down[e] + rbd * c, nbd, rh, o);
+                        for (int r = 0; r < 4; r++) out[(long)tok[p + r] * C + c] += wt[p + r] * o[r];
+                    }
+                for (; p < first[e + 1]; p++)
                     out[(long)tok[p] * C + c] += wt[p] * dd(down[e] + rbd * c, nbd, qrow_at(hq + qf * p, F));
+            }
     }
     return 0;
 }
