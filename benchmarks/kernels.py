@@ -1,8 +1,10 @@
-"""linear() per source type against a dense bf16 matmul of the same shape, same run.
+"""linear() per source type against a dense bf16 matmul of the same shape, same run, and for
+GGUF quant types against ggml's own CPU mul_mat on the same bytes (libggml from
+llama-cpp-python, timed in a child process with the same thread count: the peer).
 
 Qwen3-30B-A3B expert matrices (gate/up 768x2048, down 2048x768), decode (M=1) and prefill
-(M=64). Prints a table of ms, ratio to dense bf16 and effective GB/s of packed bytes, and
-writes JSON lines with --out. Run on purpose, never from the tests:
+(M=64). Prints a table of ms, ratio to dense bf16, ggml ms and our/ggml ratio, and effective
+GB/s of packed bytes, and writes JSON lines with --out. Run on purpose, never from the tests:
 
     .venv/bin/python benchmarks/kernels.py --threads 2 [--types Q4_K,Q8_0] [--out r.jsonl]
 """
@@ -20,6 +22,9 @@ from gguf import GGMLQuantizationType as T
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+import numpy as np  # noqa: E402
+
+from mawforge.fixtures.ggml_ref import ggml_matmul  # noqa: E402
 from mawforge.formats import quants  # noqa: E402
 from mawforge.kernels import cpu  # noqa: E402
 from test_quants import pack, source_bytes  # noqa: E402
@@ -55,7 +60,8 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     rows = []
     print(f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, threads {args.threads}")
-    print(f"{'type':6} {'codec':16} {'N x K':>10} {'M':>3} {'ms':>8} {'bf16 ms':>8} {'ratio':>6} {'GB/s':>6}")
+    print(f"{'type':6} {'codec':16} {'N x K':>10} {'M':>3} {'ms':>8} {'bf16 ms':>8} {'ratio':>6} "
+          f"{'ggml ms':>8} {'x ggml':>6} {'GB/s':>6}")
     for name in args.types.split(","):
         t = T[name]
         for shape in SHAPES:
@@ -67,11 +73,18 @@ def main() -> int:
                 xb = x.bfloat16()
                 ms = timed(lambda: cpu.linear(x, w))
                 peer = timed(lambda: torch.nn.functional.linear(xb, dense))
+                gg = None
+                if name not in ("F32", "F16", "BF16"):
+                    raw = source_bytes(t, shape)
+                    _, gg = ggml_matmul(np.asarray(raw, np.uint8).reshape(shape[0], -1), int(t), shape[0],
+                                        shape[1], x.numpy(), threads=args.threads, repeat=200)
                 row = dict(type=name, codec=codec.name, n=shape[0], k=shape[1], m=m, ms=ms, bf16_ms=peer,
-                           ratio=ms / peer, packed_bytes=w.nbytes, gbps=w.nbytes / ms / 1e6)
+                           ratio=ms / peer, ggml_ms=gg, x_ggml=None if gg is None else ms / gg,
+                           packed_bytes=w.nbytes, gbps=w.nbytes / ms / 1e6)
                 rows.append(row)
+                g = f"{gg:8.3f} {ms / gg:6.2f}" if gg is not None else f"{'':8} {'':6}"
                 print(f"{name:6} {codec.name:16} {shape[0]:>4}x{shape[1]:<5} {m:>3} {ms:8.3f} {peer:8.3f} "
-                      f"{row['ratio']:6.2f} {row['gbps']:6.2f}")
+                      f"{row['ratio']:6.2f} {g} {row['gbps']:6.2f}")
     if args.out:
         args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return 0

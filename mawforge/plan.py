@@ -7,8 +7,9 @@ K  KV-cache bytes at context n: 2 * layers * kv_heads * head_dim * n * dtype siz
 O  runtime overhead: the framework's own resident memory (measured in-process when the
    runtime plans; FRAMEWORK_BYTES, calibrated for torch 2.13 CPU + MawForge, for the
    static `mawforge plan`), the largest activation working set of a
-   prefill chunk (attention scores over the full context included), the logits row, and the
-   dequantization tiles of the kernels.
+   prefill chunk (attention scores over the full context included), the logits row, the
+   dequantization tiles of the kernels, the native kernels' scratch, and the Python objects
+   of every block the cache may hold.
 A configuration is REJECTED when L exceeds the budget or when E is below one layer's top-k
 working set; rejection is a result (exit code 4 at the CLI), not an error.
 A draft model for speculative decoding (`--draft-pack`) is planned beside the target: its own
@@ -29,6 +30,9 @@ PAGE = 4096
 RUNTIME_GROWTH_BYTES = 32 << 20   # first-forward growth after imports (32-49 MiB measured)
 FRAMEWORK_BYTES = 260 << 20   # RSS after `import torch` and the runtime (229-233 MiB measured) + first-forward slack
 DEQUANT_TILE_BYTES = 3 * (1 << 18) * 4
+# Python and torch objects of one cached block (its slot, buffer and tensor views): measured
+# 4.1-4.7 KiB; counted for every block of the pack, the most the cache can hold
+SLOT_OBJECT_BYTES = 6 << 10
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _DENSE_SUFFIXES = ("_norm.weight", ".bias", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight",
                    # delta-net and Gemma 4 vectors (same tuple as engine/weights.py)
@@ -131,12 +135,30 @@ def framework_in_process() -> int:
     return max(rss, 0) + RUNTIME_GROWTH_BYTES
 
 
+def _q8_row_bytes(k: int) -> int:
+    """Scratch for one row of k activations quantized by the native kernels (int8 values,
+    float scales per 32, int16 sums per 16, padding; kquant_gemm.c's qrow_bytes)."""
+    return k + k // 32 * 4 + k // 16 * 2 + 64
+
+
+def native_scratch_bytes(f: PackFacts, t: int) -> int:
+    """The native kernels' scratch for a chunk of t tokens (kept by the calling thread): a
+    matmul's quantized x, or a layer's fused experts: x quantized (twice at most), h and its
+    quantized copy for each of the t * top_k (expert, token) pairs."""
+    widest = max(f.hidden, f.n_heads * f.head_dim, f.expert_ff)
+    pairs = t * f.top_k
+    moe = 2 * t * _q8_row_bytes(f.hidden) + pairs * (4 * f.expert_ff + _q8_row_bytes(f.expert_ff))
+    return max(t * _q8_row_bytes(widest), moe)
+
+
 def overhead_bytes(f: PackFacts, context: int, prefill_chunk: int, framework: int | None = None) -> int:
     t = min(prefill_chunk, context)
     scores = 2 * f.n_heads * t * context * 4                    # scores + probs, float32
     acts = t * 4 * (6 * f.hidden + 3 * f.n_heads * f.head_dim + 3 * f.expert_ff * f.top_k)
     logits = 2 * f.vocab * 4
-    return (FRAMEWORK_BYTES if framework is None else framework) + scores + acts + logits + DEQUANT_TILE_BYTES
+    slots = len(f.slot_bytes) * f.n_experts * SLOT_OBJECT_BYTES
+    return ((FRAMEWORK_BYTES if framework is None else framework) + scores + acts + logits + DEQUANT_TILE_BYTES
+            + native_scratch_bytes(f, t) + slots)
 
 
 @dataclass(frozen=True)
