@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import os
 import sys
 import time
@@ -156,8 +157,11 @@ def run_model(layers: int, skew: float, a) -> list[dict]:
                           if k not in ("cgroup", "stderr_tail")}), flush=True)
 
     if not a.only_limits:
-        add("llama.cpp resident", child(["llama", "--model", str(gguf), *common]))
-        add("mawforge 100%", child(["maw", "--pack", str(pack), "--cache-percent", "100", "--preload", *common]))
+        # resident pairs alternate the engines, so a slow spell of this noisy VM hits both
+        for _ in range(a.resident_pairs):
+            add("llama.cpp resident", child(["llama", "--model", str(gguf), *common]))
+            add("mawforge 100%", child(["maw", "--pack", str(pack), "--cache-percent", "100", "--preload", *common]))
+    if not a.only_limits and not a.only_resident:
         for p in (50, 25):
             add(f"mawforge {p}%", child(["maw", "--pack", str(pack), "--cache-percent", str(p), *common]))
         add("raw pread", child(["pread", "--pack", str(pack)]))
@@ -207,8 +211,13 @@ def main() -> int:
     ap.add_argument("--no-limits", dest="limits", action="store_false")
     ap.add_argument("--only-limits", action="store_true", help="skip the unlimited rows")
     ap.add_argument("--limit-decode-tokens", type=int, default=4)
+    ap.add_argument("--resident-pairs", type=int, default=1,
+                    help="alternating llama.cpp / MawForge resident runs; the summary gives each pair's ratio and the median")
+    ap.add_argument("--only-resident", action="store_true", help="only the resident pairs (implies --no-limits)")
     ap.add_argument("--llama-limit-timeout", type=float, default=600)
     a = ap.parse_args()
+    if a.only_resident:
+        a.limits = False
     rows = []
     for layers in [int(x) for x in a.layers.split(",")]:
         for skew in [float(x) for x in a.skew.split(",")]:
@@ -220,6 +229,15 @@ def main() -> int:
         print(f"{r['model'][:44]:44s} {r['config']:28s} {r['status'][:12]:12s} {r.get('prefill_tok_s', 0):11.2f} "
               f"{r.get('ttft_s', 0):7.2f} {r.get('decode_tok_s', 0):10.3f} {100 * r.get('hit_rate', 0):6.1f} "
               f"{r['peak_rss_bytes'] / 2**30:12.2f}")
+    for model in dict.fromkeys(r["model"] for r in rows):
+        ll = [r for r in rows if r["model"] == model and r["config"] == "llama.cpp resident" and r["status"] == "ok"]
+        mw = [r for r in rows if r["model"] == model and r["config"] == "mawforge 100%" and r["status"] == "ok"]
+        if len(ll) == len(mw) > 0:
+            dec = [m["decode_tok_s"] / l["decode_tok_s"] for l, m in zip(ll, mw)]
+            pre = [m["prefill_tok_s"] / l["prefill_tok_s"] for l, m in zip(ll, mw)]
+            print(f"{model}: resident decode ratio per pair {', '.join(f'{x:.2f}' for x in dec)} "
+                  f"(median {statistics.median(dec):.2f}); prefill {', '.join(f'{x:.2f}' for x in pre)} "
+                  f"(median {statistics.median(pre):.2f})")
     print(f"saved {save('decode', {'machine': machine(), 'rows': rows})}")
     return 0
 
