@@ -213,3 +213,40 @@ def test_batched_rows_equal_single_rows_bit_for_bit(qt):
     batched = native.gemm(x, raw, qt, 48, 512)
     single = torch.cat([native.gemm(x[i:i + 1], raw, qt, 48, 512) for i in range(11)])
     assert torch.equal(batched, single)
+
+
+def test_rms_norm_and_one_step_attention_equal_the_torch_paths():
+    """The decode step's small ops in one native call each: the same values as the torch code
+    (attention bit for bit; RMSNorm up to the last bit of its mean)."""
+    from mawforge.models import base
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(3, 4, 256, generator=g) * 3, torch.randn(256, generator=g)
+    torch_path = lambda: base.rms_norm(x, w.view(1, 256), 1e-6)        # a 2-D w keeps the torch code
+    # the C loop sums the squares in order, as ggml does; torch's float64 sum in another order:
+    # the float mean can differ in its last bit
+    torch.testing.assert_close(native.rms_norm(x, w, 1e-6), torch_path().view(3, 4, 256), rtol=1e-6, atol=1e-6)
+    cache_k = torch.randn(4, 96, 64, generator=g).half()
+    cache_v = torch.randn(4, 96, 64, generator=g).half()
+    q = torch.randn(1, 16, 64, generator=g)
+    keys, vals = cache_k[:, :37], cache_v[:, :37]                        # views, as KVCache.append returns
+    got = native.attend_one(q[0], keys, vals, 0.125)
+    odd = lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)     # same values, strides the native call refuses
+    want = base.attend(q, odd(keys), odd(vals), 0.125)
+    assert torch.equal(got.view(1, -1), want) and torch.equal(base.attend(q, keys, vals, 0.125), want)
+
+
+@pytest.mark.parametrize("layout", ["neox", "norm"])
+def test_native_rope_equals_the_torch_rotation(layout):
+    from mawforge.models import base
+    rope = base.Rope(64, 10000.0, layout, torch.device("cpu"))
+    x = torch.randn(5, 4, 64, generator=torch.Generator().manual_seed(1))
+    pos = torch.tensor([0, 3, 17, 100, 511])
+    got = rope(x, pos)
+    cos, sin = rope.cos[pos][:, None], rope.sin[pos][:, None]
+    if layout == "neox":
+        x1, x2 = x[..., :32], x[..., 32:]
+        want = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        want = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    assert torch.equal(got, want)

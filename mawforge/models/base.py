@@ -14,12 +14,17 @@ import numpy as np
 import torch
 
 from mawforge.formats.config import ModelConfig
-from mawforge.kernels import linear
+from mawforge.kernels import linear, native
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """As ggml's rms_norm: squares summed in float64, scale = 1 / sqrt(mean + eps) in float32."""
+    """As ggml's rms_norm: squares summed in float64, scale = 1 / sqrt(mean + eps) in float32.
+    On the CPU one native call computes it, summing in order as ggml does (torch's float64 sum
+    runs in another order, so the mean can differ in its last bit)."""
     x32 = x.float()
+    if (x32.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 1 and w.numel() == x32.shape[-1]
+            and w.is_contiguous() and native.available()):
+        return native.rms_norm(x32, w, eps)
     mean = (torch.sum(x32 * x32, -1, keepdim=True, dtype=torch.float64) / x32.shape[-1]).float()
     return x32 * mean.add_(eps).sqrt_().reciprocal_() * w
 
@@ -64,6 +69,8 @@ class Rope:
             cos, sin = self.cos[p:p + 1, None], self.sin[p:p + 1, None]           # [1, 1, D/2]
         else:
             cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]             # [T, 1, D/2]
+        if x.dtype == torch.float32 and x.device.type == "cpu" and native.available():
+            return native.rope(x, cos[:, 0], sin[:, 0], self.layout == "neox")
         if self.layout == "neox":
             x1, x2 = x[..., :self.half], x[..., self.half:]
             return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
@@ -91,6 +98,10 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float
     rounded to the cache dtype before p.v (ggml's mul_mat converts src1 to the f16 vec_dot type)."""
     T, H, D = q.shape
     G, S = keys.shape[0], keys.shape[1]
+    if (T == 1 and window is None and keys.dtype == torch.float16 and vals.dtype == torch.float16
+            and keys.device.type == "cpu" and keys.stride() == vals.stride() and keys.stride(2) == 1
+            and keys.stride(1) == D and native.available()):
+        return native.attend_one(q[0].float(), keys, vals, scale).view(1, H * D)   # one decode step, one call
     low = keys.dtype != torch.float32
     qg = q.view(T, G, H // G, D).permute(1, 2, 0, 3).reshape(G, H // G * T, D)
     if low:
