@@ -98,10 +98,6 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float
     rounded to the cache dtype before p.v (ggml's mul_mat converts src1 to the f16 vec_dot type)."""
     T, H, D = q.shape
     G, S = keys.shape[0], keys.shape[1]
-    if (T == 1 and window is None and keys.dtype == torch.float16 and vals.dtype == torch.float16
-            and keys.device.type == "cpu" and keys.stride() == vals.stride() and keys.stride(2) == 1
-            and keys.stride(1) == D and native.available()):
-        return native.attend_one(q[0].float(), keys, vals, scale).view(1, H * D)   # one decode step, one call
     low = keys.dtype != torch.float32
     qg = q.view(T, G, H // G, D).permute(1, 2, 0, 3).reshape(G, H // G * T, D)
     if low:

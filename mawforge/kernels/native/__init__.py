@@ -70,11 +70,10 @@ def _build() -> ctypes.CDLL | None:
                        ("quantize_acts", [_I, _P, _I, _P, _P, _P]),
                        ("supported", [_I]), ("simd_path", []), ("set_threads", [_I]),
                        ("rms_norm_rows", [_P, _I, _I, _P, ctypes.c_float, _P]),
-                       ("attend_one_f16", [_P, _I, _I, _P, _P, _I, _I, _I, ctypes.c_float, _P]),
                        ("rope_rows", [_P, _I, _I, _I, _P, _P, _I, _P])):
         f = getattr(dll, name)
         f.argtypes = args
-        f.restype = None if name in ("set_threads", "rms_norm_rows", "attend_one_f16", "rope_rows") else ctypes.c_int
+        f.restype = None if name in ("set_threads", "rms_norm_rows", "rope_rows") else ctypes.c_int
     return dll
 
 
@@ -183,23 +182,6 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     n = xf.shape[-1]
     library().rms_norm_rows(xf.data_ptr(), xf.numel() // n, n, w.data_ptr(), eps, y.data_ptr())
     return y
-
-
-def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query position: q [H, D] float32; k, v float16 [G, S, D] views of the cache (rows
-    D apart, heads any fixed stride apart, the layout KVCache.append returns) -> [H * D]
-    float32, computed as models/base.attend does for a float16 cache."""
-    lib = library()
-    _sync_threads(lib)
-    qf = q.contiguous()
-    h, d = qf.shape
-    g, s = k.shape[0], k.shape[1]
-    if k.stride() != v.stride() or k.stride(2) != 1 or k.stride(1) != d or k.stride(0) % d:
-        raise ValueError("attend_one needs k and v as [G, S, D] views with rows of D contiguous")
-    out = torch.empty(h * d, dtype=torch.float32)
-    lib.attend_one_f16(qf.data_ptr(), h, d, k.data_ptr(), v.data_ptr(), g, k.stride(0) // d, s, scale,
-                       out.data_ptr())
-    return out
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:

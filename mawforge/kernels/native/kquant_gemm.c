@@ -671,48 +671,6 @@ void rms_norm_rows(const float *x, int rows, int n, const float *w, float eps, f
     }
 }
 
-static inline float h2f(uint16_t h) { uint8_t p[2]; memcpy(p, &h, 2); return f16(p); }
-
-/* One query position over a float16 KV cache, grouped-query: q [H, D] float32; k, v [G, ctx, D]
-   float16 (the first S positions used); out [H, D]. As llama.cpp's CPU attention: q rounded to
-   float16, q.k accumulated in float32, softmax in float32, the probabilities rounded to float16,
-   p.v accumulated in float32. Heads are split across threads. */
-void attend_one_f16(const float *q, int H, int D, const uint16_t *k, const uint16_t *v, int G, int ctx,
-                    int S, float scale, float *out) {
-    const int per = H / G;
-    #pragma omp parallel
-    {
-        float *p = (float *)malloc(sizeof(float) * (size_t)S);
-        float *qh = (float *)malloc(sizeof(float) * (size_t)D);
-        #pragma omp for schedule(static)
-        for (int h = 0; h < H; h++) {
-            const int g = h / per;
-            const uint16_t *kg = k + (long)g * ctx * D, *vg = v + (long)g * ctx * D;
-            for (int d = 0; d < D; d++) qh[d] = round_f16(q[(long)h * D + d]);
-            float mx = -INFINITY;
-            for (int s = 0; s < S; s++) {
-                const uint16_t *ks = kg + (long)s * D;
-                float a = 0.f;
-                for (int d = 0; d < D; d++) a += qh[d] * h2f(ks[d]);
-                p[s] = a * scale;
-                mx = p[s] > mx ? p[s] : mx;
-            }
-            float sum = 0.f;
-            for (int s = 0; s < S; s++) { p[s] = expf(p[s] - mx); sum += p[s]; }
-            const float inv = 1.f / sum;
-            float *o = out + (long)h * D;
-            for (int d = 0; d < D; d++) o[d] = 0.f;
-            for (int s = 0; s < S; s++) {
-                const float w = round_f16(p[s] * inv);
-                const uint16_t *vs = vg + (long)s * D;
-                for (int d = 0; d < D; d++) o[d] += w * h2f(vs[d]);
-            }
-        }
-        free(p);
-        free(qh);
-    }
-}
-
 /* Rotary embedding of x [T, H, D] into y, token t rotated by cos[t], sin[t] [D/2]: "neox" rotates
    the halves (i, i + D/2), "norm" the pairs (2i, 2i + 1). Products and sums as separate float
    operations (no FMA contraction under -std=c11), the same roundings as the torch code. */
