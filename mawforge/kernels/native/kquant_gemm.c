@@ -626,21 +626,32 @@ int moe_ffn(const float *x, int M, int C, int F, int E,
         }
         #pragma omp for schedule(static)
         for (int p = 0; p < P; p++) quant_row(td, h + (long)p * F, F, qrow_at(hq + qf * p, F));
-        #pragma omp for schedule(static)
-        for (int c = 0; c < C; c++)
+        /* each thread owns a contiguous range of output features and sweeps each expert's down
+           rows in that range in order (one memory stream at a time); every out element still
+           adds the experts in order e = 0, 1, ... */
+        #pragma omp barrier
+        {
+            const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+            const int c0 = (int)((long)C * tid / nth), c1 = (int)((long)C * (tid + 1) / nth);
             for (int e = 0; e < E; e++) {
                 int p = first[e];
                 if (d4d)
                     for (; p + 4 <= first[e + 1]; p += 4) {
                         const qrow rh[4] = {qrow_at(hq + qf * p, F), qrow_at(hq + qf * (p + 1), F),
                                             qrow_at(hq + qf * (p + 2), F), qrow_at(hq + qf * (p + 3), F)};
-                        float o[4];
-                        d4d(down[e] + rbd * c, nbd, rh, o);
-                        for (int r = 0; r < 4; r++) out[(long)tok[p + r] * C + c] += wt[p + r] * o[r];
+                        for (int c = c0; c < c1; c++) {
+                            float o[4];
+                            d4d(down[e] + rbd * c, nbd, rh, o);
+                            for (int r = 0; r < 4; r++) out[(long)tok[p + r] * C + c] += wt[p + r] * o[r];
+                        }
                     }
-                for (; p < first[e + 1]; p++)
-                    out[(long)tok[p] * C + c] += wt[p] * dd(down[e] + rbd * c, nbd, qrow_at(hq + qf * p, F));
+                for (; p < first[e + 1]; p++) {
+                    const qrow rh = qrow_at(hq + qf * p, F);
+                    for (int c = c0; c < c1; c++)
+                        out[(long)tok[p] * C + c] += wt[p] * dd(down[e] + rbd * c, nbd, rh);
+                }
             }
+        }
     }
     return 0;
 }
