@@ -116,9 +116,12 @@ def test_greedy_speculation_matches_plain_decoding(packs, budget):
         s = t.speculative
         assert toks == want and text == plain_text, (mode, spec)
         assert kv_kept == len(toks) - 1                    # rejected positions were rolled back
-        assert s["verify_steps"] > 0 and 0 <= s["accepted"] <= s["drafted"]
-        assert 1 < s["verify_width"] <= 1 + s["k"]
-        assert s["union_experts_per_layer"] >= s["single_token_experts_per_layer"] == 2.0
+        assert 0 <= s["accepted"] <= s["drafted"]
+        # auto picks its mode by measured speed, so whether it verifies at all depends on timing
+        assert s["verify_steps"] > 0 or mode == "auto", mode
+        if s["verify_steps"]:
+            assert 1 < s["verify_width"] <= 1 + s["k"]
+            assert s["union_experts_per_layer"] >= s["single_token_experts_per_layer"] == 2.0
         # the counterfactual replays exactly what plain decoding materialized
         assert t.materialized_bytes - s["extra_materialized_bytes"] == t_plain.materialized_bytes
         assert t.evictions - s["extra_evictions"] == t_plain.evictions
@@ -395,7 +398,9 @@ def test_speculation_on_a_hybrid_model_matches_plain_decoding(hybrid, budget):
         toks, got_text, t, kept = run(target, mode, budget, params, prompt=prompt, **spec)
         s = t.speculative
         assert toks == want and got_text == text and kept == len(toks) - 1, mode
-        assert s["verify_steps"] > 0 and t.materialized_bytes - s["extra_materialized_bytes"] == t_plain.materialized_bytes
+        assert t.materialized_bytes - s["extra_materialized_bytes"] == t_plain.materialized_bytes
+        # auto picks its mode by measured speed, so whether it verifies at all depends on timing
+        assert s["verify_steps"] > 0 or mode == "auto", mode
         if mode == "draft":
             assert s["accepted"] > 0 and s["rollback_state_bytes"] > 0
     rt = runtime(target, budget)
