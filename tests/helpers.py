@@ -47,3 +47,18 @@ def pack_expert(pack: Path, index: ExpertIndex, layer: int, expert: int) -> dict
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "mawforge.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def sample_outputs(rt, prompt, params: dict, speculative, n: int) -> tuple[dict, int, int]:
+    """n sampled generations with seeds 0..n-1 through a speculator: (counts of each emitted
+    token sequence, drafted tokens, accepted tokens) summed over the runs."""
+    from mawforge.engine.generate import generate
+    from mawforge.engine.sampling import SamplingParams
+    counts, drafted, accepted = {}, 0, 0
+    for seed in range(n):
+        ev = list(generate(rt, prompt, SamplingParams(**params, seed=seed), speculative=speculative))
+        key = tuple(e.token for e in ev)
+        counts[key] = counts.get(key, 0) + 1
+        drafted += ev[-1].telemetry.speculative["drafted"]
+        accepted += ev[-1].telemetry.speculative["accepted"]
+    return counts, drafted, accepted

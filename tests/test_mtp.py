@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from helpers import sample_outputs
 from mawforge.engine.generate import generate
 from mawforge.engine.kv import KVCache
 from mawforge.engine.runtime import Runtime, RuntimeOptions
@@ -345,14 +346,9 @@ def test_mtp_drafted_sampling_matches_the_exact_distribution(made, monkeypatch):
         return h, logits
 
     monkeypatch.setattr(m, "mtp_step", skewed)
-    N, counts, drafted, accepted = 700, {}, 0, 0
+    N = 700
     try:
-        for seed in range(N):
-            ev = list(generate(rt, prompt, SamplingParams(**params, seed=seed), speculative=sp))
-            key = tuple(e.token for e in ev)
-            counts[key] = counts.get(key, 0) + 1
-            drafted += ev[-1].telemetry.speculative["drafted"]
-            accepted += ev[-1].telemetry.speculative["accepted"]
+        counts, drafted, accepted = sample_outputs(rt, prompt, params, sp, N)
     finally:
         sp.close()
         rt.close()

@@ -16,7 +16,7 @@ from mawforge.engine.spec_accounting import AutoController
 from mawforge.engine.speculative import SpecOptions, Speculator, accept_drafts
 from mawforge.errors import BudgetRejected, FormatError, RequestError, UnsupportedError
 from mawforge.plan import PackFacts, make_plan
-from helpers import run_cli
+from helpers import run_cli, sample_outputs
 
 TARGET, DRAFT, OTHER = ("qwen3_moe", "F32"), ("qwen3_moe", "Q8_0"), ("qwen2_moe", "F32")
 CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a"
@@ -223,14 +223,9 @@ def test_model_drafted_sampling_matches_the_exact_distribution(packs):
                 want[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
     sp = Speculator(rt, SpecOptions(mode="draft", draft_pack=str(packs[TARGET]), k=2),
                     _drafter=_SkewedDraft(rt, SpecOptions(mode="draft", draft_pack=str(packs[TARGET]))))
-    N, counts, drafted, accepted = 700, {}, 0, 0
+    N = 700
     try:
-        for seed in range(N):
-            ev = list(generate(rt, prompt, SamplingParams(**params, seed=seed), speculative=sp))
-            key = tuple(e.token for e in ev)
-            counts[key] = counts.get(key, 0) + 1
-            drafted += ev[-1].telemetry.speculative["drafted"]
-            accepted += ev[-1].telemetry.speculative["accepted"]
+        counts, drafted, accepted = sample_outputs(rt, prompt, params, sp, N)
     finally:
         sp.drafter.close()
         rt.close()

@@ -237,21 +237,29 @@ static inline float hsum_ps128(__m128 s) {
     return _mm_cvtss_f32(s);
 }
 
-static float dot_q4k(const uint8_t *w, int nb, qrow x) {
-    const __m256i m4 = _mm256_set1_epi8(0xF);
+/* Q4_K (144 bytes a block) and Q5_K (176: the same layout plus 32 bytes of fifth bits before
+   the nibbles). `five` is a constant at both call sites, so each gets its own specialization. */
+static inline float dot_k45(const uint8_t *w, int nb, qrow x, const int five) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), m16 = _mm256_set1_epi8(16);
+    const int bytes = five ? 176 : 144;
     __m256 acc = _mm256_setzero_ps();
     __m128 accm = _mm_setzero_ps();
-    for (int b = 0; b < nb; b++, w += 144) {
+    for (int b = 0; b < nb; b++, w += bytes) {
         const float xd = x.d[b];
-        const uint8_t *qs = w + 16;
+        const uint8_t *qs = w + (five ? 48 : 16);
         const int8_t *q8 = x.q + b * QK;
         uint8_t sc[8], mn[8];
         k_scales(w + 4, sc, mn);
         accm = _mm_fmadd_ps(_mm_set1_ps(f16(w + 2) * xd), k_mins(mn, x.bs + b * 16), accm);
+        const __m256i hbits = five ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
         __m256i sumi = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
             const __m256i q4 = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-            const __m256i lo = _mm256_and_si256(q4, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+            __m256i lo = _mm256_and_si256(q4, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+            if (five) {  /* bit 2j of qh[i] adds 16 to the low nibble, bit 2j+1 to the high one */
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * j), 4), m16));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * j + 1), 4), m16));
+            }
             const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(q8 + 64 * j)));
             const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(q8 + 64 * j + 32)));
             sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pl, _mm256_set1_epi16(sc[2 * j])));
@@ -262,35 +270,8 @@ static float dot_q4k(const uint8_t *w, int nb, qrow x) {
     return hsum_ps(acc) - hsum_ps128(accm);
 }
 
-static float dot_q5k(const uint8_t *w, int nb, qrow x) {
-    const __m256i m4 = _mm256_set1_epi8(0xF), m16 = _mm256_set1_epi8(16);
-    __m256 acc = _mm256_setzero_ps();
-    __m128 accm = _mm_setzero_ps();
-    for (int b = 0; b < nb; b++, w += 176) {
-        const float xd = x.d[b];
-        const uint8_t *qh = w + 16, *qs = w + 48;
-        const int8_t *q8 = x.q + b * QK;
-        uint8_t sc[8], mn[8];
-        k_scales(w + 4, sc, mn);
-        accm = _mm_fmadd_ps(_mm_set1_ps(f16(w + 2) * xd), k_mins(mn, x.bs + b * 16), accm);
-        const __m256i hbits = _mm256_loadu_si256((const __m256i *)qh);
-        __m256i sumi = _mm256_setzero_si256();
-        for (int j = 0; j < 4; j++) {
-            const __m256i q4 = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-            /* bit 2j of qh[i] adds 16 to the low nibble, bit 2j+1 to the high one */
-            const __m256i hl = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * j), 4), m16);
-            const __m256i hh = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * j + 1), 4), m16);
-            const __m256i lo = _mm256_or_si256(_mm256_and_si256(q4, m4), hl);
-            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4, 4), m4), hh);
-            const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(q8 + 64 * j)));
-            const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(q8 + 64 * j + 32)));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pl, _mm256_set1_epi16(sc[2 * j])));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(ph, _mm256_set1_epi16(sc[2 * j + 1])));
-        }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w) * xd), _mm256_cvtepi32_ps(sumi), acc);
-    }
-    return hsum_ps(acc) - hsum_ps128(accm);
-}
+static float dot_q4k(const uint8_t *w, int nb, qrow x) { return dot_k45(w, nb, x, 0); }
+static float dot_q5k(const uint8_t *w, int nb, qrow x) { return dot_k45(w, nb, x, 1); }
 
 /* 6-bit values (0..63) times int8 with maddubs; the -32 offset comes off through the sums of 16 */
 static float dot_q6k(const uint8_t *w, int nb, qrow x) {
