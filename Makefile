@@ -18,20 +18,20 @@ venv: $(BIN)/python
 venv-test: venv
 	$(BIN)/pip install -q -e '.[test]'
 
-# Builds a tiny Qwen3-MoE (random weights, real GGUF), packs it, inspects and verifies the
-# pack, plans, generates under an expert cache of 25% of the routed expert bytes, and serves
-# one chat request through the OpenAI API.
-DEMO_GGUF := $(WORK)/fixtures/qwen3_moe/qwen3_moe-Q4_K_M.gguf
+# Packs the shipped demo model (mawforge/demo/: a small Qwen3-MoE trained on the KJV Bible and
+# the Python docs, Q4_K_M made by llama.cpp's quantizer), inspects and verifies the pack, plans,
+# generates under an expert cache of 25% of the routed expert bytes, replays the route trace,
+# and serves one chat request through the OpenAI API.
+DEMO_GGUF := mawforge/demo/mawforge-demo-qwen3moe-Q4_K_M.gguf
 demo: venv-test
-	$(BIN)/python -m mawforge.fixtures.build $(WORK)/fixtures --arch qwen3_moe --ftype Q4_K_M
 	$(BIN)/mawforge pack $(DEMO_GGUF) -o $(WORK)/pack --force
 	$(BIN)/mawforge inspect $(WORK)/pack
 	$(BIN)/mawforge verify $(WORK)/pack
 	$(BIN)/mawforge plan --pack $(WORK)/pack --memory-budget-gib 1 --context 512 --expert-cache-percent 25
 	$(BIN)/mawforge run --pack $(WORK)/pack --context 512 --expert-cache-percent 25 --threads 2 \
-		--max-tokens 24 --chat --trace-out $(WORK)/trace.npz "What does an expert cache do?"
+		--max-tokens 48 --chat --trace-out $(WORK)/trace.npz "What does Genesis 1:3 say?"
 	$(BIN)/mawforge replay $(WORK)/trace.npz --budgets 10%,25%,50%,100% --policies lru,lfu,fifo,random,s3fifo,belady -o $(WORK)/replay
-	$(BIN)/python scripts/demo_serve.py $(WORK)/pack
+	$(BIN)/python scripts/demo_serve.py $(WORK)/pack "Tell me about the for statement."
 
 test: venv-test
 	$(BIN)/python -m pytest tests -x -q

@@ -70,4 +70,5 @@ def step_export(a) -> None:
     for ftype in FTYPES:
         path = quantize(f32, a.out / f"{NAME}-{ftype}.gguf", ftype)
         print(f"{path}: {path.stat().st_size / 2**20:.2f} MiB")
-    shutil.copy(a.work / "corpus" / "sources.json", a.out / "corpus-sources.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):     # the vocabulary, for `tokenizers` users and tests
+        shutil.copy(hf / name, a.out / name)

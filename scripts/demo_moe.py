@@ -42,7 +42,7 @@ class DemoConfig:
                     "hidden_act": "silu", "initializer_range": 0.02, "use_cache": True,
                     "rope_parameters": {"rope_type": "default", "rope_theta": theta},
                     "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad,
-                    "output_router_logits": False, "router_aux_loss_coef": 0.001, "dtype": "float32"}
+                    "output_router_logits": False, "dtype": "float32"}
 
 
 class RMSNorm(nn.Module):

@@ -1,5 +1,6 @@
 """The last step of `make demo`: start `mawforge serve` on a free port, ask one chat question
-with the official openai client, print the answer and its telemetry, stop the server."""
+(argv[2], or one the demo model's corpus suits) with the official openai client, print the
+answer and its telemetry, stop the server."""
 from __future__ import annotations
 
 import json
@@ -11,9 +12,9 @@ import sys
 import openai
 
 
-def main(pack: str) -> int:
+def main(pack: str, question: str = "What does Genesis 1:3 say?") -> int:
     cmd = [sys.executable, "-m", "mawforge.cli", "serve", "--pack", pack, "--model-id", "demo", "--port", "0",
-           "--context", "512", "--expert-cache-percent", "25", "--max-tokens-default", "24", "--threads", "2"]
+           "--context", "512", "--expert-cache-percent", "25", "--max-tokens-default", "48", "--threads", "2"]
     srv = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     try:
         url = None
@@ -26,8 +27,8 @@ def main(pack: str) -> int:
         if url is None:
             return srv.wait() or 1
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
-        r = client.chat.completions.create(model="demo", temperature=0, max_tokens=24,
-                                           messages=[{"role": "user", "content": "What does an expert cache do?"}])
+        r = client.chat.completions.create(model="demo", temperature=0, max_tokens=48,
+                                           messages=[{"role": "user", "content": question}])
         print("served answer:", repr(r.choices[0].message.content))
         print("usage:", r.usage.model_dump())
         t = r.model_extra["telemetry"]
@@ -41,4 +42,4 @@ def main(pack: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(*sys.argv[1:3]))

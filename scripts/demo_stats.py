@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -58,16 +59,14 @@ def greedy(model, tok, prompt: str, n: int = 48) -> str:
     return tok.tokenizer.decode(out)
 
 
-def block_bytes(gguf_path) -> list[int]:
-    """Per layer, the bytes of one expert's gate+up+down in the file."""
-    from gguf import GGUFReader
-    r = GGUFReader(gguf_path)
-    per: dict[int, int] = {}
-    for t in r.tensors:
-        if "_exps." in t.name:
-            layer = int(t.name.split(".")[1])
-            per[layer] = per.get(layer, 0) + int(t.n_bytes) // int(t.shape[-1])
-    return [per[i] for i in sorted(per)]
+def block_bytes(gguf_path, work) -> list[int]:
+    """Per layer, the expert block bytes the live runtime's trace recorder uses (page-rounded
+    pack blocks of the shipped file), so these figures match `mawforge replay` on live traces."""
+    from mawforge.cache.store import round_page
+    from mawforge.pack.manifest import read_index
+    from mawforge.pack.packer import pack
+    pack(gguf_path, work / "pack-Q4_K_M", force=True, progress=False)
+    return [round_page(lb.block_nbytes) for lb in read_index(work / "pack-Q4_K_M").layers]
 
 
 def trace_of(routes: list[np.ndarray], n_experts: int, sizes: list[int]):
@@ -95,6 +94,13 @@ def cache_figures(routes, n_experts, sizes) -> dict:
             "lru_shuffled_mean": float(np.mean(shuffled)), "lru_shuffled": shuffled}
 
 
+def _last_ce(log, step: int) -> float:
+    """Mean training cross-entropy over the last 50 steps (the log's last lines up to `step`)."""
+    rows = [json.loads(x) for x in log.read_text().splitlines()]
+    ce = {r["step"]: r["ce"] for r in rows if r["step"] <= step}          # a resumed run rewrites its steps
+    return round(float(np.mean([ce[s] for s in sorted(ce)[-5:]])), 3)
+
+
 def step_stats(a) -> None:
     torch.set_num_threads(a.threads)
     from mawforge.fixtures.tokenizer import ByteBpeTokenizer
@@ -104,12 +110,13 @@ def step_stats(a) -> None:
     ppl, scored, routes = heldout_pass(model, np.load(a.work / "heldout.npy").astype(np.int64))
     profile = measure(routes, model.c.num_experts, source=f"{NAME}, {scored} held-out tokens, teacher-forced")
     profile.save(a.out / "routing-profile.json")
-    sizes = block_bytes(a.out / f"{NAME}-Q4_K_M.gguf")
+    sizes = block_bytes(a.out / f"{NAME}-Q4_K_M.gguf", a.work)
     stats = {
-        "model": NAME, "config": model.c.hf_config(0, 0, 0) | {"bos_token_id": None},
+        "model": NAME, "config": asdict(model.c), "corpus": json.loads((a.work / "corpus" / "sources.json").read_text()),
+        "tokens_train_split": int(len(np.load(a.work / "train.npy", mmap_mode="r"))),
         "params": sum(p.numel() for p in model.parameters()),
         "train": {"steps": state["step"], "tokens_seen": state["tokens"], "wall_minutes": round(state["wall"] / 60, 1),
-                  "args": state["args"]},
+                  "args": state["args"], "last_ce": _last_ce(a.work / "train.log", state["step"])},
         "heldout": {"tokens": scored, "perplexity": round(ppl, 3)},
         "routing": [{"layer": i, "entropy": round(la.entropy, 4), "top2_share": round(la.top_share, 4),
                      "overlap": round(la.overlap, 4), "overlap_if_independent": round(la.overlap_if_independent, 4),
@@ -119,7 +126,10 @@ def step_stats(a) -> None:
         "expert_block_bytes_q4_k_m": sizes,
         "samples": [{"prompt": p, "greedy": greedy(model, tok, p)} for p in PROMPTS],
     }
+    stats["files"] = {f: (a.out / f"{NAME}-{f}.gguf").stat().st_size for f in ("Q8_0", "Q4_K_M")}
     (a.out / "stats.json").write_text(json.dumps(stats, indent=1, ensure_ascii=False))
+    from demo_card import write_card
+    write_card(stats, a.out / "MODEL_CARD.md")
     print(json.dumps({k: stats[k] for k in ("train", "heldout", "cache")}, indent=1))
     for r in stats["routing"]:
         print(f"layer {r['layer']}: entropy {r['entropy']:.3f} top2 {r['top2_share']:.3f} "
