@@ -28,6 +28,8 @@ PROMPTS = ("In the beginning", "And the LORD said unto Moses,",
            "<|im_start|>user\nTell me about the for statement.<|im_end|>\n<|im_start|>assistant\n",
            "<|im_start|>user\nWhat does Genesis 1:3 say?<|im_end|>\n<|im_start|>assistant\n")
 
+DEMO_QUESTIONS = ("What does Genesis 1:3 say?", "Tell me about the for statement.")   # the Makefile's
+
 
 @torch.no_grad()
 def heldout_pass(model, ids: np.ndarray) -> tuple[float, int, list[np.ndarray]]:
@@ -57,6 +59,20 @@ def greedy(model, tok, prompt: str, n: int = 48) -> str:
             break
         out.append(nxt)
     return tok.tokenizer.decode(out)
+
+
+def runtime_chat(pack, question: str, n: int = 48) -> str:
+    """What `make demo` prints: MawForge's runtime on the Q4_K_M pack, chat template, greedy,
+    an expert cache of 25% of the routed expert bytes."""
+    from mawforge.engine.generate import generate
+    from mawforge.engine.runtime import Runtime, RuntimeOptions
+    from mawforge.engine.sampling import SamplingParams
+    rt = Runtime(pack, RuntimeOptions(context=512, expert_cache_percent=25))
+    try:
+        ids = rt.tokenizer.encode(rt.tokenizer.chat.render([{"role": "user", "content": question}]))
+        return "".join(e.text for e in generate(rt, ids, SamplingParams(max_tokens=n)))
+    finally:
+        rt.close()
 
 
 def block_bytes(gguf_path, work) -> list[int]:
@@ -125,6 +141,7 @@ def step_stats(a) -> None:
         "cache": cache_figures(routes, model.c.num_experts, sizes),
         "expert_block_bytes_q4_k_m": sizes,
         "samples": [{"prompt": p, "greedy": greedy(model, tok, p)} for p in PROMPTS],
+        "runtime_chat": [{"question": q, "answer": runtime_chat(a.work / "pack-Q4_K_M", q)} for q in DEMO_QUESTIONS],
     }
     stats["files"] = {f: (a.out / f"{NAME}-{f}.gguf").stat().st_size for f in ("Q8_0", "Q4_K_M")}
     (a.out / "stats.json").write_text(json.dumps(stats, indent=1, ensure_ascii=False))

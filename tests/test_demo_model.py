@@ -119,7 +119,7 @@ def _greedy(pack, n=32, recorder=None, **kw):
 def test_cache_is_transparent_across_budgets_and_policies(demo_packs):
     pack = demo_packs["Q4_K_M"]
     want, text, _ = _greedy(pack, expert_cache_percent=100)
-    assert text.strip() and text.isascii()
+    assert sum(ch.isalpha() or ch.isspace() for ch in text) >= 0.7 * len(text) > 0   # words, not byte soup
     minimum = max(-(-lb.block_nbytes // 4096) * 4096 for lb in read_index(pack).layers) * 2
     for policy in ("lru", "s3fifo"):
         for kw in (dict(expert_cache_gib=minimum / 2**30), dict(expert_cache_percent=25),
@@ -200,3 +200,19 @@ def test_routing_profiles_measure_and_reject_bad_files(tmp_path):
         load_profile(bad)
     with pytest.raises(FormatError, match="drop --skew"):
         synth(tmp_path / "x.gguf", 1, vocab=2000, skew=1.0, routing_profile=prof, progress=False)
+
+
+def test_synth_cli_takes_a_routing_profile(tmp_path, monkeypatch):
+    import mawforge.fixtures.synth as mod
+    parser = argparse.ArgumentParser()
+    mod.add_arguments(parser)
+    args = parser.parse_args(["-o", str(tmp_path / "c.gguf"), "--layers", "2", "--vocab", "1024",
+                              "--routing-profile", str(ROUTING_PROFILE)])
+    prof = load_profile(ROUTING_PROFILE)
+    tiny = dict(hidden=256, n_head=4, n_head_kv=2, head_dim=64, n_expert=prof.n_experts,
+                n_expert_used=prof.top_k, expert_ff=256)
+    monkeypatch.setattr(mod, "synth", lambda *a, **kw: synth(*a, **kw, **tiny, progress=False))
+    assert mod.main(args) == 0
+    report = json.loads((tmp_path / "c.gguf.routing.json").read_text())
+    assert report["synth"]["profile"]["n_experts"] == prof.n_experts
+    assert GGUFReader(tmp_path / "c.gguf").fields["mawforge.synth.routing_profile"].contents() == prof.source
