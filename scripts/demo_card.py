@@ -97,8 +97,10 @@ def write_card(s: dict, out: Path) -> Path:
         "```",
         "python scripts/train_demo_model.py all        # corpus, tokenizer, train, export, stats (this card)",
         "```",
-        "The run that made these files was stopped and resumed with a shorter schedule (see",
-        "`stats.json` train.args) because the shared machine's load left the one core a fraction of its time.",
+        "The shipped run is one lineage of checkpoints with three schedules, because load from other",
+        "work on the shared two-core machine left its one thread 15-50% of a core: steps 0-250 ran under",
+        "a 1500-step cosine, 250-350 under 1150, 350-700 under the final 700 (`stats.json` train.args",
+        "holds the last run's arguments). `all` with the defaults gives a different, longer run.",
     ]
     out.write_text("\n".join(lines) + "\n")
     return out
