@@ -64,7 +64,7 @@ class GgufVocab:
             raise FormatError("GGUF has no tokenizer.ggml.tokens")
         self.algo, n = kind.algo, len(tokens)
         self.tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
-        self.token_to_id = {t: i for i, t in enumerate(self.tokens)}
+        self.token_to_id_map = {t: i for i, t in enumerate(self.tokens)}
         self.scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * n)
         types = meta.get("tokenizer.ggml.token_type") or [1] * n
         self.attrs = [_TYPE_ATTR.get(t, 0) for t in types]
@@ -120,7 +120,7 @@ class GgufVocab:
 
     def _eog_and_attrs(self, meta: dict) -> None:
         """End-of-generation ids and the attribute fix-ups llama.cpp applies by token text."""
-        for t, i in self.token_to_id.items():
+        for t, i in self.token_to_id_map.items():
             if self.eot is None and t in ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
                                           "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>",
                                           "<end_of_utterance>"):
@@ -134,7 +134,7 @@ class GgufVocab:
                     self.fim[k] = i
                     self.attrs[i] |= CONTROL
         eog = {i for i in self.fim.values() if i is not None}
-        for t, i in self.token_to_id.items():
+        for t, i in self.token_to_id_map.items():
             if t in EOG_TEXTS:
                 eog.add(i)
                 self.attrs[i] |= CONTROL
@@ -162,13 +162,13 @@ class GgufVocab:
             for i in self.special_cache:
                 self.attrs[i] |= RSTRIP
             for t, on in (("</s>", True), ("<unk>", False), ("<s>", False), ("<|endoftext|>", False)):
-                if t in self.token_to_id:
-                    i = self.token_to_id[t]
+                if t in self.token_to_id_map:
+                    i = self.token_to_id_map[t]
                     self.attrs[i] = self.attrs[i] | RSTRIP if on else self.attrs[i] & ~RSTRIP
         elif "modern-bert" in name:
             mask = "[MASK]"
-        if mask in self.token_to_id:
-            self.attrs[self.token_to_id[mask]] |= LSTRIP
+        if mask in self.token_to_id_map:
+            self.attrs[self.token_to_id_map[mask]] |= LSTRIP
 
     # ------------------------------------------------------------------ encoding
     def partition(self, text: str, parse_special: bool) -> list[str | int]:
@@ -237,7 +237,7 @@ class GgufVocab:
     def _bpe_word(self, word: str) -> list[int]:
         if not word:
             return []
-        whole = self.token_to_id.get(word)
+        whole = self.token_to_id_map.get(word)
         if whole is not None and (self.ignore_merges or (self.pre_type == "gemma4" and not word.strip("\n"))):
             return [whole]
         syms, heap, ranks = list(word), [], self.ranks
@@ -264,20 +264,20 @@ class GgufVocab:
         for s in syms:
             if not s:
                 continue
-            tid = self.token_to_id.get(s)
+            tid = self.token_to_id_map.get(s)
             if tid is not None:
                 out.append(tid)
                 continue
             for b in s.encode():
                 key = (chr(b) if b < 0x80 else None) if self.byte_encode else f"<0x{b:02X}>"
-                if key in self.token_to_id:
-                    out.append(self.token_to_id[key])
+                if key in self.token_to_id_map:
+                    out.append(self.token_to_id_map[key])
         return out
 
     def _spm(self, text: str) -> list[int]:
         if not text:
             return []
-        syms, heap, vocab, scores = list(text), [], self.token_to_id, self.scores
+        syms, heap, vocab, scores = list(text), [], self.token_to_id_map, self.scores
         nxt, prv = list(range(1, len(syms))) + [-1], list(range(-1, len(syms) - 1))
 
         def add(l: int, r: int) -> None:
@@ -334,3 +334,19 @@ class GgufVocab:
         if parts and self.add_space_prefix and parts[0].startswith(b" "):
             parts[0] = parts[0][1:]
         return b"".join(parts)
+
+    # ------------------------------------------------------------------ the tokenizers.Tokenizer names TextTokenizer uses
+    def decode(self, ids: list[int]) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.tokens[i] if 0 <= i < len(self.tokens) else None
+
+    def token_to_id(self, text: str) -> int | None:
+        return self.token_to_id_map.get(text)
+
+    def get_vocab(self, with_added_tokens: bool = True) -> dict[str, int]:
+        return dict(self.token_to_id_map)
+
+    def get_vocab_size(self, with_added_tokens: bool = True) -> int:
+        return len(self.tokens)

@@ -1,0 +1,149 @@
+"""GGUF tokenizers against llama.cpp: every generative ggml-vocab-*.gguf of the pinned sdist
+tokenizes each of its .inp/.out vectors exactly (as tests/test-tokenizer-0.cpp runs them: no BOS,
+special tokens not parsed), agrees with llama.cpp's own tokenizer (vocab_only, in a child process)
+on seeded random strings of mixed scripts, digits, emoji, whitespace runs and code, decodes back
+to its input, and streams text without splitting a UTF-8 character."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mawforge.engine.llama_vocab import GgufVocab
+from mawforge.engine.tokenizer import Detokenizer, from_gguf_metadata
+from mawforge.errors import MawError, UnsupportedError
+from mawforge.fixtures.llama_vocabs import (EMBEDDING_ONLY, llama_tokenize_many, read_vectors, vocab_dir,
+                                            vocab_files)
+from mawforge.formats.gguf import read_header
+
+GENERATIVE = ("aquila", "baichuan", "command-r", "deepseek-coder", "deepseek-llm", "falcon", "gemma-4",
+              "gpt-2", "gpt-neox", "llama-bpe", "llama-spm", "mpt", "phi-3", "qwen2", "qwen35", "refact",
+              "starcoder")
+N_RANDOM = 120
+
+
+@pytest.fixture(scope="session")
+def vocab_root():
+    return vocab_dir()
+
+
+@pytest.fixture(scope="session")
+def metas(vocab_root) -> dict:
+    return {f.name[len("ggml-vocab-"):-len(".gguf")]: read_header(f)[0] for f in vocab_files(vocab_root)}
+
+
+@pytest.fixture(scope="session")
+def vocabs(metas) -> dict:
+    return {name: from_gguf_metadata(meta) for name, meta in metas.items()}
+
+
+def test_the_sdist_holds_the_vocabularies_named_here(vocab_root):
+    names = {f.name[len("ggml-vocab-"):-len(".gguf")] for f in vocab_files(vocab_root, generative=False)}
+    assert names == set(GENERATIVE) | set(EMBEDDING_ONLY)
+
+
+@pytest.mark.parametrize("name", GENERATIVE)
+def test_vectors_exact_and_round_trip(name, vocab_root, vocabs):
+    tok = vocabs[name]
+    for text, expected in read_vectors(vocab_root / f"ggml-vocab-{name}.gguf"):
+        assert tok.encode(text, add_special=False, parse_special=False) == expected, text
+        assert tok.decode(expected) == text, text
+
+
+@pytest.mark.parametrize("name", EMBEDDING_ONLY)
+def test_embedding_only_vocabularies_are_refused_in_one_line(name, metas, vocab_root):
+    meta = read_header(vocab_root / f"ggml-vocab-{name}.gguf")[0]
+    with pytest.raises(UnsupportedError) as e:
+        from_gguf_metadata(meta)
+    assert "\n" not in str(e.value) and "embedding" in str(e.value)
+
+
+def test_unknown_tokenizer_types_are_one_line_errors(metas):
+    for key, value in (("tokenizer.ggml.model", "rwkv-9"), ("tokenizer.ggml.pre", "no-such-pre")):
+        with pytest.raises(MawError) as e:
+            GgufVocab(dict(metas["qwen2"], **{key: value}))
+        assert value in str(e.value) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------- random strings
+SCRIPTS = ["Hello", "world", "Straße", "naïve", "café", "Привет", "мир", "Γειά", "σου", "مرحبا", "שלום",
+           "नमस्ते", "สวัสดี", "안녕하세요", "你好世界", "日本語のテキスト", "ありがとう", "ᐊᐃᓐᓇᐅ", "ẞ", "e\u0301", "ǅ"]
+DIGITS = ["0", "7", "42", "1234", "3.14159", "1,000,000", "٣٤٥", "१२३", "１２３", "²", "½", "Ⅻ", "2024-05-01"]
+EMOJI = ["🦙", "😀", "👍🏽", "👨‍👩‍👧", "🏳️‍🌈", "❤️", "✅", "🚀", "🇩🇪", "\u2063"]
+SPACES = [" ", "  ", "   ", "\t", "\n", "\n\n", "\r\n", " \n ", "\u00a0", "\u3000", "\u2009", "\v", "\f", "    "]
+CODE = ["def f(x):\n    return x**2", "if (a && b) { c++; }", "x = [1, 2, 3]", "<div class=\"a\">", "SELECT * FROM t;",
+        "it's", "I'LL", "we're", "they've", "'s", "don't", "#include <stdio.h>", "a->b", "::", "...", "!!!", "$$",
+        "C:\\path\\to", "https://example.com/?q=1&r=2", "\\n", "`code`", "~~~", "@user", "50%"]
+RARE = ["\u0378", "\U0001F9FF", "\U000E0041", "\u200b", "\ufeff", "\U00010000", "\u05d0\u05b8", "ﷺ", "𝔘𝔫𝔦", "\x01"]
+
+
+def random_strings(seed: int, n: int) -> list[str]:
+    rng = random.Random(seed)
+    pools = (SCRIPTS, DIGITS, EMOJI, SPACES, CODE, RARE)
+    out = []
+    for _ in range(n):
+        parts = [rng.choice(rng.choice(pools)) for _ in range(rng.randint(1, 12))]
+        if rng.random() < 0.3:
+            parts.append("".join(chr(rng.randint(0x20, 0x2FFF)) for _ in range(rng.randint(1, 6))))
+        s = "".join(p + (rng.choice(SPACES) if rng.random() < 0.4 else "") for p in parts)
+        out.append("".join(c for c in s if not 0xD800 <= ord(c) <= 0xDFFF))
+    return out
+
+
+def _special_texts(tok, seed: int) -> list[str]:
+    """Strings with the vocabulary's control and user-defined token texts inside, for parse_special."""
+    rng = random.Random(seed)
+    vocab = tok.tok
+    specials = [vocab.tokens[i] for i in vocab.special_cache][:40] or ["<s>"]
+    return ["".join(rng.choice([rng.choice(specials), rng.choice(SCRIPTS), rng.choice(SPACES), rng.choice(CODE)])
+                    for _ in range(rng.randint(1, 8))) for _ in range(30)]
+
+
+def test_random_strings_match_llama_cpp(vocab_root, vocabs):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the oracle) is not installed")
+    requests, ours = [], []
+    for k, name in enumerate(GENERATIVE):
+        tok, path = vocabs[name], str(vocab_root / f"ggml-vocab-{name}.gguf")
+        plain, special = random_strings(1000 + k, N_RANDOM), _special_texts(tok, 2000 + k)
+        requests += [{"gguf": path, "texts": plain, "add_special": False, "parse_special": False},
+                     {"gguf": path, "texts": special, "add_special": True, "parse_special": True}]
+        ours += [[tok.tok.encode(t) for t in plain],
+                 [tok.tok.encode(t, add_special=True, parse_special=True) for t in special]]
+        for t in plain:
+            assert tok.decode(tok.encode(t, add_special=False, parse_special=False)) == t, (name, t)
+    theirs = llama_tokenize_many(requests)
+    for req, mine, ref in zip(requests, ours, theirs):
+        bad = [t for t, a, b in zip(req["texts"], mine, ref) if a != b]
+        assert not bad, f"{req['gguf']}: {len(bad)} of {len(mine)} differ from llama.cpp, e.g. {bad[0]!r}"
+
+
+# ---------------------------------------------------------------------------- streaming
+@pytest.mark.parametrize("name", ["llama-spm", "gemma-4", "qwen35", "llama-bpe"])
+def test_streamed_tokens_never_split_a_character(name, vocabs):
+    tok = vocabs[name]
+    text = "Ünïcödé 🦙🏳️‍🌈 ꙮ𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ᐊᐃᓐᓇᐅ 鿐 end"
+    ids = tok.encode(text, add_special=False)
+    pieces = [tok.tok.piece(i) for i in ids]
+    split = [p for p in pieces if p and _incomplete(p)]
+    assert split, f"{name}: expected byte tokens splitting multi-byte characters"
+    det = Detokenizer(tok)
+    deltas = [det.push(i) for i in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "" in deltas                                   # a partial character was held back
+    assert "".join(deltas) + det.flush() == tok.decode(ids) == text
+
+
+def _incomplete(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+        return False
+    except UnicodeDecodeError:
+        return True
+
+
+def test_stream_flush_reports_a_dangling_partial_character(vocabs):
+    tok = vocabs["llama-spm"]
+    ids = tok.encode("🦙", add_special=False)
+    det = Detokenizer(tok)
+    assert [det.push(i) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert det.flush() == "\ufffd"
