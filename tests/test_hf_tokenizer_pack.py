@@ -9,13 +9,13 @@ import random
 import shutil
 
 import pytest
+import transformers
 
 from mawforge.engine.tokenizer import Detokenizer, load_tokenizer
 from mawforge.fixtures.hf_tokenizers import FAMILIES, build_family
 from mawforge.pack.manifest import read_manifest
 from mawforge.pack.packer import pack
 
-transformers = pytest.importorskip("transformers", reason="transformers (the reference) is not installed")
 
 TEXTS = ["Hello world", " leading space", "The cache keeps 42 experts; 3.14159!", "naïve café 🦙 日本語",
          "def f(x):\n    return x  # code\n\n", "  two  spaces\tand tab", "", "it's WE'RE they've"]

@@ -12,8 +12,9 @@ import pytest
 from mawforge.engine.llama_vocab import GgufVocab
 from mawforge.engine.tokenizer import Detokenizer, from_gguf_metadata
 from mawforge.errors import MawError, UnsupportedError
+from mawforge.engine.pretok_table import PRE_NAMES, REGEXES
 from mawforge.fixtures.llama_vocabs import (EMBEDDING_ONLY, llama_tokenize_many, read_vectors, vocab_dir,
-                                            vocab_files)
+                                            vocab_files, with_pre)
 from mawforge.formats.gguf import read_header
 
 GENERATIVE = ("aquila", "baichuan", "command-r", "deepseek-coder", "deepseek-llm", "falcon", "gemma-4",
@@ -100,7 +101,6 @@ def _special_texts(tok, seed: int) -> list[str]:
 
 
 def test_random_strings_match_llama_cpp(vocab_root, vocabs):
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the oracle) is not installed")
     requests, ours = [], []
     for k, name in enumerate(GENERATIVE):
         tok, path = vocabs[name], str(vocab_root / f"ggml-vocab-{name}.gguf")
@@ -115,6 +115,27 @@ def test_random_strings_match_llama_cpp(vocab_root, vocabs):
     for req, mine, ref in zip(requests, ours, theirs):
         bad = [t for t, a, b in zip(req["texts"], mine, ref) if a != b]
         assert not bad, f"{req['gguf']}: {len(bad)} of {len(mine)} differ from llama.cpp, e.g. {bad[0]!r}"
+
+
+def test_every_byte_level_pre_tokenizer_matches_llama_cpp(vocab_root, tmp_path):
+    """GPT-2's vocabulary relabelled with one `tokenizer.ggml.pre` name of each pre-tokenizer type:
+    the regex lists, the hand-written splitters and the collapsed-regex path all meet llama.cpp."""
+    names = {}
+    for pre, (kind, _) in PRE_NAMES.items():
+        if REGEXES[kind][1]:                          # byte-level types; gemma4's is tested above
+            names.setdefault(kind, pre)
+    texts = random_strings(7, 40)
+    requests, ours = [], []
+    for kind, pre in sorted(names.items()):
+        path = with_pre(vocab_root / "ggml-vocab-gpt-2.gguf", pre, tmp_path / f"{kind}.gguf")
+        vocab = GgufVocab(read_header(path)[0])
+        requests.append({"gguf": str(path), "texts": texts, "add_special": False, "parse_special": False})
+        ours.append([vocab.encode(t) for t in texts])
+    theirs = llama_tokenize_many(requests)
+    for (kind, pre), mine, ref in zip(sorted(names.items()), ours, theirs):
+        bad = [t for t, a, b in zip(texts, mine, ref) if a != b]
+        assert not bad, f"pre {pre!r} ({kind}): {len(bad)} of {len(texts)} differ from llama.cpp, e.g. {bad[0]!r}"
+    assert len(names) >= 40
 
 
 # ---------------------------------------------------------------------------- streaming
