@@ -79,3 +79,18 @@ def test_decoding_and_streaming_match_transformers(family):
         det = Detokenizer(ours)
         streamed = "".join(det.push(i) for i in ids) + det.flush()
         assert streamed == ours.decode(ids), text
+
+
+def test_text_that_starts_with_bos_keeps_one(family):
+    name, _, ours, ref = family
+    if ref.bos_token:
+        text = ref.bos_token + "Hi there"
+        assert ours.encode(text) == ref(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_broken_tokenizer_json_is_a_one_line_error(tmp_path):
+    from mawforge.errors import FormatError
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(FormatError) as e:
+        load_tokenizer(tmp_path, {"kind": "hf"})
+    assert "tokenizer.json" in str(e.value) and "\n" not in str(e.value)

@@ -187,3 +187,26 @@ def test_stream_flush_reports_a_dangling_partial_character(vocabs):
     det = Detokenizer(tok)
     assert [det.push(i) for i in ids[:-1]] == [""] * (len(ids) - 1)
     assert det.flush() == "\ufffd"
+
+
+# ---------------------------------------------------------------------------- BOS and bad metadata
+def test_bos_follows_the_vocabulary_and_is_never_doubled(vocabs):
+    spm, gemma, qwen = vocabs["llama-spm"], vocabs["gemma-4"], vocabs["qwen35"]
+    assert spm.encode("Hi")[0] == spm.bos_id and spm.encode("Hi", add_special=False)[0] != spm.bos_id
+    assert spm.encode("<s>Hi") == spm.encode("Hi")                     # a rendered template's BOS is kept once
+    assert gemma.encode("Hi")[0] == gemma.bos_id                        # llama.cpp forces add_bos for Gemma 4
+    assert qwen.encode("Hi") == qwen.encode("Hi", add_special=False)    # Qwen adds no BOS
+    im_start = qwen.token_id("<|im_start|>")
+    assert qwen.encode("<|im_start|>user")[0] == im_start
+    assert im_start not in qwen.encode("<|im_start|>user", parse_special=False)
+
+
+def test_malformed_metadata_is_a_one_line_error(metas):
+    meta = dict(metas["llama-spm"])
+    meta["tokenizer.ggml.scores"] = meta["tokenizer.ggml.scores"][:10]
+    with pytest.raises(MawError) as e:
+        GgufVocab(meta)
+    assert "\n" not in str(e.value)
+    bpe = {k: v for k, v in metas["qwen2"].items() if k != "tokenizer.ggml.merges"}
+    with pytest.raises(MawError, match="merges"):
+        GgufVocab(bpe)

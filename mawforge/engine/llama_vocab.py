@@ -67,6 +67,9 @@ class GgufVocab:
         self.token_to_id_map = {t: i for i, t in enumerate(self.tokens)}
         self.scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * n)
         types = meta.get("tokenizer.ggml.token_type") or [1] * n
+        if len(self.scores) < n or len(types) < n or not all(isinstance(t, str) for t in tokens):
+            raise FormatError(f"GGUF tokenizer metadata is malformed ({n} tokens, {len(self.scores)} scores, "
+                              f"{len(types)} token types)")
         self.attrs = [_TYPE_ATTR.get(t, 0) for t in types]
         self._settings(meta, kind)
         self._special_ids(meta, kind, n)
@@ -325,7 +328,10 @@ class GgufVocab:
             return b"".join(bytes([pretok.UNICODE_TO_BYTE[c]]) if c in pretok.UNICODE_TO_BYTE else c.encode()
                             for c in text)
         if attr & BYTE:
-            return bytes([int(text[3:5], 16)])
+            try:
+                return bytes([int(text[3:5], 16)])
+            except ValueError:           # not <0xHH>: llama.cpp's strtol would give 0
+                return b"\x00"
         return b""
 
     def decode_bytes(self, ids: list[int]) -> bytes:

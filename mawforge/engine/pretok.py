@@ -96,7 +96,8 @@ def _split_gpt2(cp: str, fl: list[int], ini: int, end: int, out: list[int]) -> N
 
 def _split_llama3_like(digits: int, marks: bool):
     """The Llama 3 (digits=3), Qwen2 (digits=1) and Qwen3.5 (digits=1, marks join letters) splitter:
-    (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,n}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"""
+    (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,n}|
+    ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"""
     letter = LET | (MARK if marks else 0)
 
     def split(cp: str, fl: list[int], ini: int, end: int, out: list[int]) -> None:

@@ -53,7 +53,8 @@ class HfVocab:
         self.tok = tok
 
     def encode(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
-        self.tok.encode_special_tokens = not parse_special
+        if self.tok.encode_special_tokens == parse_special:
+            self.tok.encode_special_tokens = not parse_special
         return self.tok.encode(text, add_special_tokens=add_special).ids
 
     def decode(self, ids: list[int]) -> str:
@@ -83,6 +84,8 @@ class TextTokenizer:
         bos = tok.id_to_token(bos_id) if bos_id is not None else ""
         eos = tok.id_to_token(min(eos_ids)) if eos_ids else ""
         self.chat = ChatTemplate(chat_template, bos or "", eos or "")
+        # does the vocabulary itself put BOS first (llama.cpp's add_bos, a tokenizer.json post-processor)?
+        self.auto_bos = bos_id is not None and tok.encode("", add_special=True, parse_special=False)[:1] == [bos_id]
 
     @property
     def vocab_size(self) -> int:
@@ -97,10 +100,11 @@ class TextTokenizer:
         rendered chat templates do; parse_special: special-token text becomes its id."""
         ids = self.tok.encode(text, add_special=add_special, parse_special=parse_special)
         if add_special and self.bos_id is not None:
-            if self.add_bos and (not ids or ids[0] != self.bos_id):
+            if self.auto_bos:
+                if len(ids) >= 2 and ids[1] == self.bos_id:       # the text began with BOS
+                    ids = ids[1:]
+            elif self.add_bos and ids[:1] != [self.bos_id]:       # add_bos_token, no post-processor
                 ids = [self.bos_id] + ids
-            if len(ids) >= 2 and ids[0] == ids[1] == self.bos_id:
-                ids = ids[1:]
         return ids
 
     def decode(self, ids: list[int]) -> str:
@@ -156,7 +160,11 @@ def _from_hf(pack: Path) -> TextTokenizer:
     path = pack / "tokenizer.json"
     if not path.exists():
         raise FormatError(f"{pack}: no tokenizer.json in the pack")
-    tok = Tokenizer.from_file(str(path))
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:               # the tokenizers library's own parse errors
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise FormatError(f"{path.name} in the pack does not load: {why}") from None
     cfg = _json(pack / "tokenizer_config.json")
     template = cfg.get("chat_template")
     if isinstance(template, list):       # [{"name": "default", "template": ...}, ...]
