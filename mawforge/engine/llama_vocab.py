@@ -84,15 +84,15 @@ class GgufVocab:
         self.ignore_merges = self.escape_ws = False
         self.no_bos = False
         if self.algo == "bpe":
+            pre = kind.pre or meta.get("tokenizer.ggml.pre") or "default"
             merges = meta.get("tokenizer.ggml.merges")
-            if merges is None:
+            if merges is None and pre != "kimi-k2":        # Kimi-K2's vocabulary has no merges
                 raise FormatError("GGUF BPE vocabulary has no tokenizer.ggml.merges")
             self.ranks: dict[tuple[str, str], int] = {}
-            for i, m in enumerate(merges):
+            for i, m in enumerate(merges or ()):
                 pos = m.find(" ", 1)
                 pair = (m[:pos], m[pos + 1:]) if pos >= 0 else ("", "")
                 self.ranks.setdefault(pair, i)
-            pre = kind.pre or meta.get("tokenizer.ggml.pre") or "default"
             if pre not in PRE_NAMES:
                 raise UnsupportedError(f"GGUF pre-tokenizer {pre!r} is not supported")
             self.pre_type, flags = PRE_NAMES[pre]

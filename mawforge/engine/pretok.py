@@ -20,10 +20,8 @@ import zlib
 from array import array
 
 from mawforge.engine import unicode_table
+from mawforge.engine.pretok_splitters import CUSTOM, LET, MARK, NUM, PUNCT, SYM, WS
 
-# llama.cpp's codepoint category flags (unicode.h); WS is its separate whitespace flag.
-UNDEF, NUM, LET, SEP, MARK, PUNCT, SYM, CTRL = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20, 0x40, 0x80
-WS = 0x100
 _COLLAPSED = {NUM: "\xd1", LET: "\xd2", PUNCT: "\xd3", MARK: "\xd4", SYM: "\xd5"}
 _UCAT = {"\\p{N}": NUM, "\\p{L}": LET, "\\p{P}": PUNCT, "\\p{M}": MARK, "\\p{S}": SYM,
          "\\p{Lu}": LET, "\\p{Ll}": LET, "\\p{Lt}": LET, "\\p{Lm}": LET, "\\p{Lo}": LET}
@@ -49,139 +47,6 @@ def _flags() -> array:
 def cpt_flags(text: str) -> list[int]:
     fl = _flags()
     return [fl[ord(c)] for c in text]
-
-
-# ------------------------------------------------------------------ hand-written splitters
-def _split_gpt2(cp: str, fl: list[int], ini: int, end: int, out: list[int]) -> None:
-    """'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S), as llama.cpp runs it."""
-    F = lambda p: fl[p] if ini <= p < end else 0   # noqa: E731
-    pos = ini
-    while pos < end:
-        c, f = cp[pos], fl[pos]
-        start = pos
-        if c == "'" and pos + 1 < end:
-            n = cp[pos + 1]
-            if n in "stmd":
-                pos += 2
-                out.append(pos - start)
-                continue
-            if pos + 2 < end and n + cp[pos + 2] in ("re", "ve", "ll"):
-                pos += 3
-                out.append(pos - start)
-                continue
-        f2 = F(pos + 1) if c == " " else f
-        for cls in (LET, NUM):
-            if f2 & cls:
-                pos += c == " "
-                while F(pos) & cls:
-                    pos += 1
-                break
-        else:
-            if not f2 & (WS | LET | NUM) and f2:
-                pos += c == " "
-                while F(pos) and not F(pos) & (WS | LET | NUM):
-                    pos += 1
-            else:
-                n_ws = 0
-                while F(pos + n_ws) & WS:
-                    n_ws += 1
-                if n_ws > 1 and pos + n_ws < end:
-                    pos += n_ws - 1
-                elif n_ws > 0:
-                    pos += n_ws
-                else:
-                    pos += 1
-        out.append(pos - start)
-
-
-def _split_llama3_like(digits: int, marks: bool):
-    """The Llama 3 (digits=3), Qwen2 (digits=1) and Qwen3.5 (digits=1, marks join letters) splitter:
-    (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,n}|
-    ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"""
-    letter = LET | (MARK if marks else 0)
-
-    def split(cp: str, fl: list[int], ini: int, end: int, out: list[int]) -> None:
-        F = lambda p: fl[p] if ini <= p < end else 0   # noqa: E731
-        pos = ini
-        while pos < end:
-            c, f = cp[pos], fl[pos]
-            start = pos
-            if c == "'" and pos + 1 < end:
-                n = cp[pos + 1].lower() if cp[pos + 1] < "\x80" else cp[pos + 1]
-                if n in "stmd":
-                    pos += 2
-                    out.append(2)
-                    continue
-                if pos + 2 < end:
-                    nn = cp[pos + 2].lower() if cp[pos + 2] < "\x80" else cp[pos + 2]
-                    if n + nn in ("re", "ve", "ll"):
-                        pos += 3
-                        out.append(3)
-                        continue
-            if not (c in "\r\n" or f & NUM) and (f & letter or F(pos + 1) & letter):
-                pos += 1
-                while F(pos) & letter:
-                    pos += 1
-                out.append(pos - start)
-                continue
-            if f & NUM:
-                run = pos
-                while F(pos) & NUM:
-                    pos += 1
-                    if pos - run >= digits:
-                        out.append(pos - run)
-                        run = pos
-                if pos > run:
-                    out.append(pos - run)
-                continue
-            f2 = F(pos + 1) if c == " " else f
-            if not f2 & (WS | letter | NUM) and f:
-                pos += c == " "
-                while F(pos) and not F(pos) & (WS | letter | NUM):
-                    pos += 1
-                while pos < end and cp[pos] in "\r\n":
-                    pos += 1
-                out.append(pos - start)
-                continue
-            n_ws, last_rn = 0, 0
-            while F(pos + n_ws) & WS:
-                if cp[pos + n_ws] in "\r\n":
-                    last_rn = pos + n_ws + 1
-                n_ws += 1
-            if last_rn:
-                pos = last_rn
-            elif n_ws > 1 and pos + n_ws < end:
-                pos += n_ws - 1
-            elif n_ws:
-                pos += n_ws
-            else:
-                pos += 1
-            out.append(pos - start)
-    return split
-
-
-def _split_newlines(cp: str, fl: list[int], ini: int, end: int, out: list[int]) -> None:
-    """[^\\n]+|[\\n]+ (Gemma 4, Sarvam, Laguna)."""
-    pos = ini
-    while pos < end:
-        start, nl = pos, cp[pos] == "\n"
-        while pos < end and (cp[pos] == "\n") == nl:
-            pos += 1
-        out.append(pos - start)
-
-
-_LLAMA3 = ("(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"
-           "\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
-_CUSTOM = {
-    "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)": _split_gpt2,
-    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
-    "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+": _split_llama3_like(3, False),
-    _LLAMA3: _split_llama3_like(3, False),
-    _LLAMA3.replace("\\p{N}{1,3}", "\\p{N}"): _split_llama3_like(1, False),
-    "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}|"
-    " ?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+": _split_llama3_like(1, True),
-    "[^\\n]+|[\\n]+": _split_newlines,
-}
 
 
 # ------------------------------------------------------------------ std::regex emulation
@@ -260,7 +125,7 @@ def regex_split(text: str, exprs: tuple[str, ...]) -> list[str]:
     offsets = [len(text)]
     views: dict[bool, str] = {}
     for expr in exprs:
-        custom = _CUSTOM.get(expr)
+        custom = CUSTOM.get(expr)
         if custom is not None:
             out: list[int] = []
             start = 0
