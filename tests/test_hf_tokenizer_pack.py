@@ -69,6 +69,7 @@ def test_vocab_specials_template_and_eos_survive_the_pack(family):
     gen = transformers.GenerationConfig.from_pretrained(str(src))
     assert ours.eos_ids == {ref.eos_token_id, *gen.eos_token_id}
     assert ours.bos_id == ref.bos_token_id
+    assert ours.chat.eos == ref.eos_token and ours.chat.bos == (ref.bos_token or "")
 
 
 def test_decoding_and_streaming_match_transformers(family):

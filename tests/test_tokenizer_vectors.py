@@ -201,6 +201,14 @@ def test_bos_follows_the_vocabulary_and_is_never_doubled(vocabs):
     assert im_start not in qwen.encode("<|im_start|>user", parse_special=False)
 
 
+def test_eog_set_and_template_tokens_follow_llama_cpp(vocabs):
+    qwen, llama3 = vocabs["qwen35"], vocabs["llama-bpe"]
+    assert {qwen.token_id("<|im_end|>"), qwen.token_id("<|endoftext|>")} <= qwen.eos_ids
+    assert qwen.token_id("<|im_start|>") not in qwen.eos_ids
+    assert llama3.token_id("<|eot_id|>") in llama3.eos_ids and llama3.token_id("<|end_of_text|>") in llama3.eos_ids
+    assert qwen.chat.eos == "<|endoftext|>" and llama3.chat.bos == "<|begin_of_text|>"   # tokenizer.ggml.eos/bos
+
+
 def test_malformed_metadata_is_a_one_line_error(metas):
     meta = dict(metas["llama-spm"])
     meta["tokenizer.ggml.scores"] = meta["tokenizer.ggml.scores"][:10]

@@ -79,10 +79,12 @@ class TextTokenizer:
     generation_config's eos_token_id list for HF)."""
 
     def __init__(self, tok: GgufVocab | HfVocab, bos_id: int | None, eos_ids: set[int], add_bos: bool,
-                 chat_template: str | None):
+                 chat_template: str | None, eos_id: int | None = None):
         self.tok, self.bos_id, self.eos_ids, self.add_bos = tok, bos_id, eos_ids, add_bos
         bos = tok.id_to_token(bos_id) if bos_id is not None else ""
-        eos = tok.id_to_token(min(eos_ids)) if eos_ids else ""
+        # the template's eos_token is the vocabulary's EOS, not any id that ends generation
+        eos_id = eos_id if eos_id is not None else min(eos_ids) if eos_ids else None
+        eos = tok.id_to_token(eos_id) if eos_id is not None else ""
         self.chat = ChatTemplate(chat_template, bos or "", eos or "")
         # does the vocabulary itself put BOS first (llama.cpp's add_bos, a tokenizer.json post-processor)?
         self.auto_bos = bos_id is not None and tok.encode("", add_special=True, parse_special=False)[:1] == [bos_id]
@@ -180,11 +182,13 @@ def _from_hf(pack: Path) -> TextTokenizer:
         v = v.get("content") if isinstance(v, dict) else v
         return tok.token_to_id(v) if v else None
 
-    eos = {i for i in (tid("eos_token"),) if i is not None}
+    eos_id = tid("eos_token")
+    eos = {i for i in (eos_id,) if i is not None}
     e = _json(pack / "generation_config.json").get("eos_token_id")
     eos |= set(e if isinstance(e, list) else [e] if e is not None else [])
     bos = tid("bos_token")
-    return TextTokenizer(HfVocab(tok), bos, eos, bool(cfg.get("add_bos_token", False)) and bos is not None, template)
+    return TextTokenizer(HfVocab(tok), bos, eos, bool(cfg.get("add_bos_token", False)) and bos is not None, template,
+                         eos_id)
 
 
 def _json(path: Path) -> dict:
@@ -200,4 +204,4 @@ def _json(path: Path) -> dict:
 def from_gguf_metadata(meta: dict) -> TextTokenizer:
     vocab = GgufVocab(meta)
     return TextTokenizer(vocab, vocab.bos, set(vocab.eog), vocab.add_bos and vocab.bos is not None,
-                         meta.get("tokenizer.chat_template"))
+                         meta.get("tokenizer.chat_template"), vocab.eos)
