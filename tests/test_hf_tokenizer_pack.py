@@ -95,3 +95,13 @@ def test_a_broken_tokenizer_json_is_a_one_line_error(tmp_path):
     with pytest.raises(FormatError) as e:
         load_tokenizer(tmp_path, {"kind": "hf"})
     assert "tokenizer.json" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_streaming_holds_back_partial_characters(family):
+    """🦙 is four byte tokens in both tiny vocabularies (<0xXX> fallback, or byte-level BPE pieces)."""
+    name, _, ours, _ = family
+    ids = ours.encode("ok 🦙 ok", add_special=False)
+    det = Detokenizer(ours)
+    deltas = [det.push(i) for i in ids]
+    assert "" in deltas and all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) + det.flush() == ours.decode(ids) == "ok 🦙 ok"
