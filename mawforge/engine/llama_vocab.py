@@ -48,7 +48,8 @@ MODELS = {
     "gpt2": ModelKind("bpe", 11, 11, None),
     "gemma4": ModelKind("bpe", None, None, None, pre="gemma4"),
 }
-EMBEDDING_ONLY = {"bert": "WPM", "t5": "UGM"}
+# llama.cpp's other vocabulary types serve BERT-style embedding and T5 encoder models, not MoE decoders.
+ENCODER_ONLY = {"bert": "WPM", "t5": "UGM"}
 
 
 class GgufVocab:
@@ -56,7 +57,8 @@ class GgufVocab:
         model = meta.get("tokenizer.ggml.model")
         kind = MODELS.get(model)
         if kind is None:
-            extra = f" (llama.cpp's {EMBEDDING_ONLY[model]}, used by embedding models)" if model in EMBEDDING_ONLY else ""
+            extra = f" (llama.cpp's {ENCODER_ONLY[model]}, for embedding/encoder models)" \
+                if model in ENCODER_ONLY else ""
             raise UnsupportedError(f"GGUF tokenizer model {model!r}{extra} is not supported "
                                    f"(supported: {', '.join(MODELS)})")
         tokens = meta.get("tokenizer.ggml.tokens")
