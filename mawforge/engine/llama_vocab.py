@@ -53,6 +53,9 @@ ENCODER_ONLY = {"bert": "WPM", "t5": "UGM"}
 
 
 class GgufVocab:
+    """One GGUF vocabulary (the tokenizer.* metadata, plus general.name/architecture for llama.cpp's
+    per-model strip rules): encode, token pieces, BOS/EOS and the end-of-generation set."""
+
     def __init__(self, meta: dict):
         model = meta.get("tokenizer.ggml.model")
         kind = MODELS.get(model)
@@ -87,16 +90,18 @@ class GgufVocab:
         self.no_bos = False
         if self.algo == "bpe":
             pre = kind.pre or meta.get("tokenizer.ggml.pre") or "default"
+            if pre not in PRE_NAMES:
+                raise UnsupportedError(f"GGUF pre-tokenizer {pre!r} is not supported")
             merges = meta.get("tokenizer.ggml.merges")
             if merges is None and pre != "kimi-k2":        # Kimi-K2's vocabulary has no merges
                 raise FormatError("GGUF BPE vocabulary has no tokenizer.ggml.merges")
+            if not all(isinstance(m, str) for m in merges or ()):
+                raise FormatError("GGUF tokenizer.ggml.merges is not a list of strings")
             self.ranks: dict[tuple[str, str], int] = {}
             for i, m in enumerate(merges or ()):
                 pos = m.find(" ", 1)
                 pair = (m[:pos], m[pos + 1:]) if pos >= 0 else ("", "")
                 self.ranks.setdefault(pair, i)
-            if pre not in PRE_NAMES:
-                raise UnsupportedError(f"GGUF pre-tokenizer {pre!r} is not supported")
             self.pre_type, flags = PRE_NAMES[pre]
             self.regexes, self.byte_encode = REGEXES[self.pre_type]
             self.ignore_merges = flags.get("ignore_merges", False)
