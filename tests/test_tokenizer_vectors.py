@@ -11,9 +11,9 @@ import pytest
 
 from mawforge.engine import pretok
 from mawforge.engine.llama_vocab import GgufVocab
+from mawforge.engine.pretok_table import PRE_NAMES, REGEXES
 from mawforge.engine.tokenizer import Detokenizer, from_gguf_metadata
 from mawforge.errors import MawError, UnsupportedError
-from mawforge.engine.pretok_table import PRE_NAMES, REGEXES
 from mawforge.fixtures.llama_vocabs import (EMBEDDING_ONLY, llama_tokenize_many, read_vectors, vocab_dir,
                                             vocab_files, with_pre)
 from mawforge.formats.gguf import read_header
@@ -53,7 +53,7 @@ def test_vectors_exact_and_round_trip(name, vocab_root, vocabs):
 
 
 @pytest.mark.parametrize("name", EMBEDDING_ONLY)
-def test_embedding_only_vocabularies_are_refused_in_one_line(name, metas, vocab_root):
+def test_embedding_only_vocabularies_are_refused_in_one_line(name, vocab_root):
     meta = read_header(vocab_root / f"ggml-vocab-{name}.gguf")[0]
     with pytest.raises(UnsupportedError) as e:
         from_gguf_metadata(meta)
