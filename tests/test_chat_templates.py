@@ -23,7 +23,7 @@ except SdistMissing as e:       # offline and no cached sdist: a missing host ca
 MUST_RENDER = (
     "Qwen-Qwen3-0.6B", "Qwen3.5-4B", "Qwen3-Coder", "google-gemma-4-31B-it", "google-gemma-4-31B-it-interleaved",
     "deepseek-ai-DeepSeek-V3.1", "deepseek-ai-DeepSeek-V3.2", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B",
-    "deepseek-ai-DeepSeek-R1-Distill-Llama-8B", "llama-cpp-deepseek-r1", "openai-gpt-oss-120b", "GLM-4.6",
+    "deepseek-ai-DeepSeek-R1-Distill-Llama-8B", "openai-gpt-oss-120b", "GLM-4.6",
     "GLM-4.7-Flash", "meta-llama-Llama-3.1-8B-Instruct", "meta-llama-Llama-3.2-3B-Instruct",
     "meta-llama-Llama-3.3-70B-Instruct", "mistralai-Mistral-Nemo-Instruct-2407",
     "Mistral-Small-3.2-24B-Instruct-2506", "mistralai-Ministral-3-14B-Reasoning-2512",

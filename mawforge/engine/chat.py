@@ -7,18 +7,24 @@ ImmutableSandboxedEnvironment(trim_blocks, lstrip_blocks) with the `loopcontrols
 `json.dumps(x, ensure_ascii=False, indent, separators, sort_keys=False)`, adds the globals
 `raise_exception` and `strftime_now`, and renders with `messages`, `tools`, `documents` and
 `add_generation_prompt` always defined (None when absent) plus the tokenizer's special tokens and
-any extra keyword (`enable_thinking`, `reasoning_effort`, ...). Each of those details changes the
-output of some real template (Llama 3.1 `tojson(indent=4)`, Gemma 4 key order, gpt-oss dates,
-Mistral `tools is defined`); tests/test_chat_templates.py checks them against transformers itself.
+any extra keyword (`enable_thinking`, `reasoning_effort`, ...). Since 5.x it also drops message
+keys whose value is None, copies a message's reasoning under `reasoning_content` and `thinking`
+(gpt-oss reads the latter), and guards `namespace` against underscore attributes. Each of those
+details changes the output of some real template (Llama 3.1 `tojson(indent=4)`, Gemma 4 key
+order, gpt-oss dates and `thinking`, Mistral `tools is defined`); tests/test_chat_templates.py
+checks them against transformers itself.
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from datetime import datetime
 
 from jinja2 import nodes
+from jinja2.exceptions import SecurityError
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
 
 from mawforge.errors import FormatError, RequestError
 
@@ -54,13 +60,67 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _Namespace(Namespace):
+    """jinja's namespace() without underscore-prefixed attributes (sandbox hardening, as transformers)."""
+
+    def __init__(*args, **kwargs):
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _Namespace._check(name)
+        Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(f"chat templates cannot store underscore-prefixed attributes ({name!r})")
+
+
 def environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[_Generation, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _Namespace
     return env
+
+
+def _plain(v):
+    """JSON-shaped data rebuilt from plain types: the template never sees (or mutates) the caller's objects."""
+    if v is None or type(v) in (str, int, float, bool):
+        return v
+    if isinstance(v, Mapping):
+        return {_plain(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    if isinstance(v, tuple):
+        return tuple(_plain(x) for x in v)
+    for kind in (str, int, float):
+        if isinstance(v, kind):
+            return kind(v)
+    return f"<{type(v).__name__}>"
+
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """transformers' normalization: keys whose value is None are dropped (templates test for a
+    missing key, not for None), and reasoning given under any of its names is copied under
+    `reasoning_content` and `thinking`."""
+    out = []
+    for m in messages:
+        m = {k: _plain(v) for k, v in m.items() if v is not None}
+        reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
+        if reasoning is not None:
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        out.append(m)
+    return out
 
 
 class ChatTemplate:
@@ -81,10 +141,11 @@ class ChatTemplate:
                documents: list[dict] | None = None, **kwargs) -> str:
         """kwargs are the template's own switches (enable_thinking, reasoning_effort, ...); as in
         transformers they override the special tokens of the same name."""
-        context = {**self.special_tokens, **kwargs}
+        context = _plain({**self.special_tokens, **kwargs})
         try:
-            return self.tpl.render(messages=messages, tools=tools, documents=documents,
-                                   add_generation_prompt=add_generation_prompt, **context)
+            return self.tpl.render(messages=template_messages(messages), tools=_plain(tools),
+                                   documents=_plain(documents), add_generation_prompt=add_generation_prompt,
+                                   **context)
         except RequestError:
             raise
         except Exception as e:
