@@ -59,7 +59,7 @@ class Api:
                  max_tokens_default: int, chat: ChatFront, allow_forced_output: bool = False):
         self.rt, self.model_id, self.worker, self.ledger = rt, model_id, worker, ledger
         self.api_key, self.max_tokens_default = api_key, max_tokens_default
-        self.chat, self.allow_forced_output = chat, allow_forced_output
+        self.front, self.allow_forced_output = chat, allow_forced_output
         self.created = P.now()
         self.card = {"pack_digest": rt.manifest.pack_digest, "context": rt.opts.context,
                      "architecture": rt.cfg.arch, "chat_template": "model" if not chat.template.is_default
@@ -130,7 +130,7 @@ class Api:
         self._auth(request)
         body = P.parse_body(raw)
         req = P.parse_request(kind, body, self.model_id, self.max_tokens_default)
-        turn = self.chat.prepare(parse_chat_options(body, req.messages)) if kind == "chat" else None
+        turn = self.front.prepare(parse_chat_options(body, req.messages)) if kind == "chat" else None
         try:
             ids = self._prompt_ids(req, turn)
             validate(self.rt, ids, req.params)
