@@ -254,3 +254,29 @@ def test_forced_output_needs_the_server_option(rt):
     with ServerThread(build_app(rt, MODEL)) as s:
         r = httpx.post(s.url + "/v1/chat/completions", json={"messages": ASK, "forced_output": "x"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "forced_output"
+
+
+def test_server_options_are_llama_servers_and_fail_in_one_line(tmp_path):
+    import argparse
+
+    from mawforge.errors import MawError
+    from mawforge.serve.app import add_arguments
+    from mawforge.serve.servecli import chat_settings
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    tpl = tmp_path / "t.jinja"
+    tpl.write_text("{{ messages[0].content }}")
+    (tmp_path / "broken.jinja").write_text("{% if %}")
+    a = p.parse_args(["--pack", "x", "--chat-template-file", str(tpl), "--chat-template-kwargs",
+                      '{"enable_thinking": false}', "--reasoning-format", "none", "--reasoning", "off",
+                      "--reasoning-effort", "low"])
+    got = chat_settings(a)
+    assert got["chat_template"] == "{{ messages[0].content }}" and got["allow_forced_output"] is False
+    d = got["chat_defaults"]
+    assert (d.reasoning_format, d.reasoning, d.reasoning_effort, d.template_kwargs) == (
+        "none", "off", "low", {"enable_thinking": False})
+    for bad, msg in ((["--chat-template-kwargs", "{oops"], "not JSON"), (["--chat-template-kwargs", "[1]"], "object"),
+                     (["--chat-template-file", str(tmp_path / "missing.jinja")], "cannot read"),
+                     (["--chat-template-file", str(tmp_path / "broken.jinja")], "does not parse")):
+        with pytest.raises(MawError, match=msg):
+            chat_settings(p.parse_args(["--pack", "x", *bad]))

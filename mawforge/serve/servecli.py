@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+from mawforge.engine.chat import ChatTemplate
 from mawforge.errors import MawError
 from mawforge.serve.chatreq import REASONING_FORMATS, REASONING_MODES, ChatDefaults
 
@@ -42,6 +43,7 @@ def chat_settings(a: argparse.Namespace) -> dict:
             template = Path(a.chat_template_file).read_text()
         except OSError as e:
             raise MawError(f"cannot read --chat-template-file {a.chat_template_file}: {e.strerror}") from None
+        ChatTemplate(template)                   # FormatError (one line) if it does not parse
     kwargs = {}
     if a.chat_template_kwargs:
         try:
