@@ -141,13 +141,16 @@ def _stream(s: Served, messages, forced, **kw):
 
 @pytest.mark.parametrize("stem,forced", [
     ("Qwen3.5-4B", "Two and two make four.\n</think>\n\nThe answer is 4."),
+    ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "Two and two make four.\n</think>\n\nThe answer is 4."),
+    ("google-gemma-4-31B-it", "<|channel>thought\nTwo and two make four.<channel|>The answer is 4."),
     ("openai-gpt-oss-120b", "<|channel|>analysis<|message|>Two and two make four.<|end|><|start|>assistant"
                             "<|channel|>final<|message|>The answer is 4."),
 ])
 def test_streamed_reasoning_answer(rt, stem, forced):
+    think = {"extra_body": {"chat_template_kwargs": {"enable_thinking": True}}}   # R1-Distill's default is off
     with Served(rt, stem) as s:
-        chunks, reasoning, content, calls = _stream(s, [{"role": "user", "content": "2+2?"}], forced)
-        whole = s.ask([{"role": "user", "content": "2+2?"}], forced).choices[0]
+        chunks, reasoning, content, calls = _stream(s, [{"role": "user", "content": "2+2?"}], forced, **think)
+        whole = s.ask([{"role": "user", "content": "2+2?"}], forced, **think).choices[0]
     assert reasoning == "Two and two make four." and content == "The answer is 4." and calls == []
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices[0].finish_reason == "stop"

@@ -237,9 +237,10 @@ def finish_reason(reason: str, calls: list) -> str:
     return "tool_calls" if calls and reason in ("stop", "length") else reason
 
 
-def deltas(pieces: list) -> list[dict]:
+def deltas(pieces: list, idle: str = "content") -> list[dict]:
     """One token's pieces as stream deltas: text merged per kind, a tool call as a header
-    (index, id, type, name, empty arguments) and then its argument chunks, as OpenAI streams."""
+    (index, id, type, name, empty arguments) and then its argument chunks, as OpenAI streams.
+    A token that shows nothing yet (a marker, held text) is an empty string of the `idle` kind."""
     out: list[dict] = []
     for p in pieces:
         if isinstance(p, ToolCall):
@@ -253,7 +254,7 @@ def deltas(pieces: list) -> list[dict]:
             out[-1][key] += p[1]
         else:
             out.append({key: p[1]})
-    return out or [{"content": ""}]
+    return out or [{idle: ""}]
 
 
 def shape_choice(choice: dict, parser: OutputParser, texts: list[str], reason: str) -> None:
@@ -268,7 +269,8 @@ def stream_chunks(template: dict, parser: OutputParser, text: str, last: bool) -
     """One token's chunks: `template` is a chunk with an empty delta (plus the role on the first)."""
     pieces = parser.feed(text) + (parser.finish() if last else [])
     out = []
-    for i, d in enumerate(deltas(pieces)):
+    idle = "reasoning_content" if parser.mode == "reasoning" else "content"
+    for i, d in enumerate(deltas(pieces, idle)):
         c = copy.deepcopy(template)
         c["choices"][0]["delta"] = ({"role": "assistant"} if i == 0 and "role" in template["choices"][0]["delta"]
                                     else {}) | d
