@@ -151,9 +151,9 @@ def _messages(msgs: list) -> list:
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(c.get("id"), str):
                     raise ApiError(400, f"messages[{i}].tool_calls[{j}] needs an id and function.name",
                                    param="messages")
+                args = _arguments(fn.get("arguments", {}), f"messages[{i}].tool_calls[{j}]")
                 norm.append({"id": c["id"], "type": c.get("type", "function"),
-                             "function": {"name": fn["name"],
-                                          "arguments": _arguments(fn.get("arguments", {}), f"messages[{i}].tool_calls[{j}]")}})
+                             "function": {"name": fn["name"], "arguments": args}})
                 open_calls[c["id"]] = fn["name"]
             m["tool_calls"] = norm or None
             if not norm:
@@ -180,7 +180,10 @@ def parse_chat_options(body: dict, messages) -> ChatOptions:
     if effort is not None:
         if not isinstance(effort, str):
             raise ApiError(400, "reasoning_effort must be a string", param="reasoning_effort")
-        kwargs.setdefault("enable_thinking", False) if effort == "none" else kwargs.setdefault("reasoning_effort", effort)
+        if effort == "none":                     # as llama-server: "none" turns thinking off
+            kwargs.setdefault("enable_thinking", False)
+        else:
+            kwargs.setdefault("reasoning_effort", effort)
     fmt = body.get("reasoning_format")
     if fmt is not None and fmt not in REASONING_FORMATS:
         raise ApiError(400, f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}", param="reasoning_format")

@@ -104,7 +104,8 @@ def parse_deepseek(region: str, schemas: Schemas) -> list[Call]:
     """V3.1: <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{json}<｜tool▁call▁end｜>; V3-0324/R1:
     <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{json}\n```<｜tool▁call▁end｜>."""
     calls = []
-    for head, body in re.findall(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>", region, re.S):
+    pattern = r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>"
+    for head, body in re.findall(pattern, region, re.S):
         fenced = re.fullmatch(r"([^\n]+)\n```(?:json)?\n(.*?)\n?```\s*", body, re.S)
         if head.strip() == "function" and fenced:
             calls.append((fenced.group(1).strip(), _json_object(fenced.group(2))))
@@ -233,7 +234,8 @@ FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
                open=(" to=functions.",), close="<|call|>", parse=parse_harmony,
                drop=("<|start|>assistant", "<|channel|>final<|message|>", "<|channel|>commentary", "<|message|>",
                      "<|end|>", "<|return|>"),
-               prefix=lambda n: "<|channel|>commentary to=functions." + (f"{n} <|constrain|>json<|message|>" if n else ""),
+               prefix=lambda n: "<|channel|>commentary to=functions." + (
+                   f"{n} <|constrain|>json<|message|>" if n else ""),
                tested="openai-gpt-oss-120b"),
     ToolFormat("gemma4", _has("<|tool_call>"), think=(("<|channel>thought", "<channel|>"),), open=("<|tool_call>",),
                close="<tool_call|>", parse=parse_gemma4, drop=("<|tool_response>", "<turn|>"),
@@ -245,7 +247,8 @@ FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
                tested="deepseek-ai-DeepSeek-V3.2, deepseek-ai-DeepSeek-V4, deepseek-ai-DeepSeek-V4-Flash-0731"),
     ToolFormat("deepseek", _has("tool▁call▁begin"), think=THINK, open=("<｜tool▁calls▁begin｜>",),
                close="<｜tool▁calls▁end｜>", parse=parse_deepseek, drop=("<｜end▁of▁sentence｜>",),
-               prefix=lambda n: "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>" + (f"{n}<｜tool▁sep｜>" if n else ""),
+               prefix=lambda n: "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>" + (
+                   f"{n}<｜tool▁sep｜>" if n else ""),
                tested="deepseek-ai-DeepSeek-V3.1, deepseek-ai-DeepSeek-R1-Distill-*, llama-cpp-deepseek-r1"),
     ToolFormat("glm", _has("<arg_key>"), think=THINK, open=("<tool_call>",), close="</tool_call>", parse=parse_glm,
                prefix=lambda n: "<tool_call>" + (f"{n}\n" if n else ""), tested="GLM-4.6, GLM-4.7-Flash"),
