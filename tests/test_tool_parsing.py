@@ -117,3 +117,26 @@ def test_format_is_detected_from_the_real_template(stem, name):
     except SdistMissing as e:
         pytest.skip(f"llama-cpp-python sdist not available: {e}")
     assert detect((d / f"{stem}.jinja").read_text()).name == name
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_any_mix_of_markers_never_raises(fmt):
+    """Random text built from the format's own markers and fragments of them, in random pieces:
+    the parser always answers, and every call it returns names an offered function with object arguments."""
+    import random
+    f = FORMATS[fmt]
+    parts = [m for pair in f.think for m in pair] + list(f.open) + [f.close or ""] + list(f.drop) + [
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}', "call:get_weather{city:1}", "get_weather",
+        " ", "\n", "x", "{", "}", "<", "|", ">", "[ARGS]", "Zürich"]
+    rng = random.Random(fmt)
+    for _ in range(200):
+        text = "".join(rng.choice(parts) for _ in range(rng.randint(1, 12)))
+        p = OutputParser(f, SCHEMAS, start_in_reasoning=rng.random() < 0.3)
+        pieces, i = [], 0
+        while i < len(text):
+            n = rng.randint(1, 6)
+            pieces += p.feed(text[i:i + n])
+            i += n
+        content, reasoning, calls = collect(pieces + p.finish())
+        for c in calls:
+            assert c.name in SCHEMAS and isinstance(json.loads(c.arguments), dict)

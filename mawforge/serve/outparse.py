@@ -109,7 +109,7 @@ class OutputParser:
             text, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
             out += self._text(text)
             return False
-        i, neg, m, act, close = min(hits)
+        i, _, m, act, close = min(hits, key=lambda h: h[:2])     # earliest, then longest
         out += self._text(self.pending[:i])
         self.pending = self.pending[i + len(m):]
         if act == "drop":
