@@ -283,3 +283,29 @@ def test_server_options_are_llama_servers_and_fail_in_one_line(tmp_path):
                      (["--chat-template-file", str(tmp_path / "broken.jinja")], "does not parse")):
         with pytest.raises(MawError, match=msg):
             chat_settings(p.parse_args(["--pack", "x", *bad]))
+
+
+@pytest.mark.parametrize("stem", list(FAMILIES))
+def test_server_prompt_is_transformers_prompt(rt, hf, stem):
+    """The exact string the server tokenizes (OpenAI-shaped request in, arguments as JSON strings)
+    against transformers' rendering of the same conversation."""
+    from mawforge.engine.chat import ChatTemplate
+    from mawforge.serve.chatreq import ChatFront, parse_chat_options
+    from mawforge.serve.protocol import parse_request
+    source = (TEMPLATES / f"{stem}.jinja").read_text()
+    call = {"id": "a1B2c3D4e", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": call["id"], "content": '{"temp": 21}'}]
+    front = ChatFront(ChatTemplate(source, rt.tokenizer.chat.bos, rt.tokenizer.chat.eos))
+    for body, tools in (({"messages": ASK, "tools": TOOLS}, TOOLS), ({"messages": history, "tools": TOOLS}, TOOLS),
+                        ({"messages": ASK, "tools": TOOLS, "tool_choice": "none"}, None)):
+        req = parse_request("chat", body, MODEL, 16)
+        got = front.prepare(parse_chat_options(body, req.messages)).prompt
+        hf.chat_template = source
+        msgs = copy.deepcopy(body["messages"])
+        for m in msgs:
+            for c in m.get("tool_calls") or ():
+                c["function"]["arguments"] = json.loads(c["function"]["arguments"])
+            if m.get("content") is None:
+                m["content"] = ""                # the server's reading of OpenAI's null content
+        assert got == hf.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
