@@ -137,3 +137,17 @@ def test_raise_exception_and_broken_templates_are_request_and_format_errors():
         ChatTemplate("{% if %}")
     with pytest.raises(RequestError, match="chat template failed"):
         ChatTemplate("{{ messages[5].content.x() }}").render([{"role": "user", "content": "x"}])
+
+
+if __name__ == "__main__":      # counts for the README: PYTHONPATH=. python tests/test_chat_templates.py
+    from transformers import PreTrainedTokenizerFast
+
+    from mawforge.fixtures.tokenizer import build_tokenizer
+    hf = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer("gpt2").tokenizer, bos_token=BOS, eos_token=EOS)
+    results = [(p.stem, _render_both(hf, p.read_text(), case)) for p in TEMPLATES for case in CASES]
+    equal = sum(not isinstance(w, Exception) and w == g for _, (w, g) in results)
+    refused = sum(isinstance(w, Exception) and isinstance(g, Exception) for _, (w, g) in results)
+    family = sum(s in MUST_RENDER and not isinstance(w, Exception) and w == g for s, (w, g) in results)
+    print(f"{len(TEMPLATES)} templates x {len(CASES)} conversations: {equal} equal to transformers, {refused} "
+          f"refused by both, {len(results) - equal - refused} different; family templates: {family} of "
+          f"{len(MUST_RENDER) * len(CASES)} equal")
