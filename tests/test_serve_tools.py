@@ -70,9 +70,13 @@ def rt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf(rt):
+    """Only its template renderer is used (prompts are tokenized by the pack's tokenizer)."""
     from transformers import PreTrainedTokenizerFast
+
+    from mawforge.fixtures.tokenizer import build_tokenizer
     chat = rt.tokenizer.chat
-    return PreTrainedTokenizerFast(tokenizer_object=rt.tokenizer.tok, bos_token=chat.bos, eos_token=chat.eos)
+    return PreTrainedTokenizerFast(tokenizer_object=build_tokenizer("gpt2").tokenizer, bos_token=chat.bos,
+                                   eos_token=chat.eos)
 
 
 class Served:
