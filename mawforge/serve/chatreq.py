@@ -137,7 +137,9 @@ def _arguments(v, where: str) -> dict:
 
 
 def _messages(msgs: list) -> list:
-    """Assistant tool calls normalized; each tool message must answer a call made before it."""
+    """Assistant tool calls normalized (arguments as objects, as templates expect); each tool
+    message must answer a call made before it. Nothing else is added: the template sees what the
+    client sent, so the prompt is what transformers renders for the same conversation."""
     out, open_calls = [], {}
     for i, m in enumerate(msgs):
         m = dict(m)
@@ -163,7 +165,6 @@ def _messages(msgs: list) -> list:
             if not isinstance(cid, str) or cid not in open_calls:
                 raise ApiError(400, f"messages[{i}] (role tool) has tool_call_id {cid!r}, which answers no "
                                     f"earlier assistant tool call", param="messages")
-            m.setdefault("name", open_calls[cid])
         out.append(m)
     return out
 
