@@ -52,8 +52,12 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+def _one_line(text) -> str:
+    return " ".join(str(text).split())
+
+
 def _raise(msg: str):
-    raise RequestError(f"the chat template refused these messages: {msg}")
+    raise RequestError(f"the chat template refused these messages: {_one_line(msg)}")
 
 
 def _strftime_now(fmt: str) -> str:
@@ -133,7 +137,7 @@ class ChatTemplate:
         try:
             self.tpl = environment().from_string(self.source)
         except Exception as e:   # jinja2 TemplateSyntaxError and friends
-            raise FormatError(f"the model's chat template does not parse: {e}") from None
+            raise FormatError(f"the model's chat template does not parse: {_one_line(e)}") from None
         self.bos, self.eos = bos, eos
         self.special_tokens = {"bos_token": bos, "eos_token": eos, **(special_tokens or {})}
 
@@ -149,4 +153,4 @@ class ChatTemplate:
         except RequestError:
             raise
         except Exception as e:
-            raise RequestError(f"chat template failed on these messages: {type(e).__name__}: {e}") from None
+            raise RequestError(f"chat template failed on these messages: {type(e).__name__}: {_one_line(e)}") from None
