@@ -14,7 +14,7 @@ import json
 import re
 import secrets
 import string
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 Call = tuple[str, dict]
@@ -34,7 +34,6 @@ class ToolFormat:
     prefix: Callable[[str | None], str] = lambda name: ""   # text that opens a call (tool_choice)
     short_ids: bool = False                      # Mistral templates insist on 9-character ids
     tested: str = ""                             # the templates it was checked with (README)
-    extra: dict = field(default_factory=dict)
 
     def new_id(self) -> str:
         if self.short_ids:
