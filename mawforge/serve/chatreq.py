@@ -216,13 +216,14 @@ class ChatFront:
         except RequestError as e:
             raise ApiError(400, str(e), param="messages", code="chat_template_error") from None
         fmt, reasoning = self.format, (o.reasoning_format or self.defaults.reasoning_format) != "none"
-        thinking = bool(reasoning and fmt.think and prompt.rstrip().endswith(fmt.think[0][0]))
+        opens = bool(fmt.think) and prompt.rstrip().endswith(fmt.think[0][0])   # generation starts in thought
         schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools or ()}
-        parser = OutputParser(fmt, schemas, reasoning=reasoning, tools=bool(tools), start_in_reasoning=thinking)
+        parser = OutputParser(fmt, schemas, reasoning=reasoning, tools=bool(tools),
+                              start_in_reasoning=reasoning and opens)
         if o.choice in ("required", "named") and fmt.parse is not None:
             # No grammar here: the call is forced by writing its opening into the prompt, and
             # the parser reads that opening as if the model had written it.
-            prefill = (fmt.think[0][1] + "\n\n" if thinking else "") + fmt.prefix(o.named)
+            prefill = (fmt.think[0][1] + "\n\n" if opens else "") + fmt.prefix(o.named)
             prompt += prefill
             parser.feed(prefill)
         return Turn(prompt, parser)
