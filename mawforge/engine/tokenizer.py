@@ -1,49 +1,17 @@
 """Tokenizers from the pack: HF tokenizer.json through `tokenizers`, or GGUF metadata through
-llama_vocab.GgufVocab (llama.cpp's own algorithm, exact on its test vectors); chat templates via jinja2."""
+llama_vocab.GgufVocab (llama.cpp's own algorithm, exact on its test vectors); chat templates live in
+engine/chat.py."""
 from __future__ import annotations
 
 import codecs
 import json
-from datetime import datetime
 from pathlib import Path
 
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from mawforge.engine.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate  # noqa: F401  (re-exported: the old home)
 from mawforge.engine.llama_vocab import GgufVocab
-from mawforge.errors import FormatError, RequestError
-
-# Used when the model carries no chat template (documented in docs/telemetry.md and README).
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-class ChatTemplate:
-    def __init__(self, source: str | None, bos: str = "", eos: str = ""):
-        self.source = source or DEFAULT_CHAT_TEMPLATE
-        self.is_default = source is None
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        try:
-            self.tpl = env.from_string(self.source)
-        except Exception as e:   # jinja2 TemplateSyntaxError and friends
-            raise FormatError(f"the model's chat template does not parse: {e}") from None
-        self.bos, self.eos = bos, eos
-
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        try:
-            return self.tpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   bos_token=self.bos, eos_token=self.eos)
-        except RequestError:
-            raise
-        except Exception as e:
-            raise RequestError(f"chat template failed on these messages: {e}") from None
-
-
-def _raise(msg: str):
-    raise RequestError(msg)
+from mawforge.errors import FormatError
 
 
 class HfVocab:
