@@ -295,3 +295,34 @@ def test_telemetry_is_consistent(packs):
     assert t.hits + t.misses == stats["hits"] + stats["misses"]
     assert 0 <= t.hit_rate <= 1 and t.kv_cache_bytes > 0 and t.resident_common_bytes > 0
     assert t.peak_rss_bytes > 0 and t.pack_digest and t.ttft_s > 0
+
+
+def test_stall_meter_counts_tokens_and_nearest_rank_percentiles():
+    from mawforge.telemetry import StallMeter
+    m = StallMeter()
+    assert m.summary() == (0.0, 0.0, 0.0)
+    for wait, toks in ((0.0, 1), (0.004, 3), (0.0, 1), (0.001, 1), (0.002, 2)):
+        m.record(wait, toks)
+    assert m.summary() == (6 / 8, 0.002, 0.004)          # waits 1, 2, 4 ms; 6 of 8 tokens waited
+
+
+def test_read_stalls_in_telemetry_follow_the_reads(packs):
+    """At the smallest cache decode steps miss, so tokens wait on reads; with the whole model
+    resident after a first request, the same request reads nothing and nothing waits."""
+    pack = packs[("qwen3_moe", "Q4_K_M")]
+    index = read_index(pack)
+    minimum = max(-(-lb.block_nbytes // 4096) * 4096 for lb in index.layers) * 2
+    _, stats, t = _greedy(pack, expert_cache_gib=minimum / 2**30)
+    assert t.misses > 0 and 0 < t.decode_stall_token_share <= 1
+    assert 0 < t.decode_stall_p50_s <= t.decode_stall_p95_s
+    assert "read stalls" in t.line() and t.to_dict()["decode_stall_p95_s"] == t.decode_stall_p95_s
+    rt = _runtime(pack, expert_cache_percent=100)
+    try:
+        ids = rt.tokenizer.encode("The expert cache keeps what the router asks for")
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        first = list(generate(rt, ids, params))[-1].telemetry
+        again = list(generate(rt, ids, params))[-1].telemetry
+    finally:
+        rt.close()
+    assert first.misses > 0 and again.misses == 0
+    assert (again.decode_stall_token_share, again.decode_stall_p50_s, again.decode_stall_p95_s) == (0.0, 0.0, 0.0)
