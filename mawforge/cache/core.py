@@ -26,6 +26,8 @@ from mawforge.cache.policies import Key, Policy
 from mawforge.errors import BudgetRejected
 
 BlockBytes = Callable[[int, int], int]  # (layer, expert) -> block bytes
+# per-block event counts kept when CacheCore.track_heat() is on (the dashboard's heatmap)
+HEAT_FIELDS = ("hits", "misses", "evictions", "prefetch_loads", "prefetch_useful", "prefetch_wasted")
 
 
 def min_capacity(block_sizes_per_layer: Sequence[int | Sequence[int]], top_k: int) -> int:
@@ -147,6 +149,18 @@ class CacheCore:
         self._layers: dict[int, list[int]] = {}  # layer -> [hits, misses, evictions, bytes]
         self._pf = dict(issued=0, issued_bytes=0, useful=0, useful_bytes=0, wasted=0,
                         wasted_bytes=0, probes=0, dropped=0)
+        self.heat: dict[Key, list[int]] | None = None   # key -> counts in HEAT_FIELDS order
+
+    def track_heat(self) -> None:
+        """Count events per block as well (off by default: replay does not need them)."""
+        if self.heat is None:
+            self.heat = {}
+
+    def _bump(self, key: Key, field: int) -> None:
+        h = self.heat.get(key)
+        if h is None:
+            h = self.heat[key] = [0] * len(HEAT_FIELDS)
+        h[field] += 1
 
     # -- residency -----------------------------------------------------------------
     def __contains__(self, key: Key) -> bool:
@@ -192,10 +206,14 @@ class CacheCore:
             self.used_bytes -= size
             self.policy.on_remove(key)
             self._counters(key[0])[2] += 1
+            if self.heat is not None:
+                self._bump(key, 2)
             if key in self._unused_prefetch:
                 self._unused_prefetch.discard(key)
                 self._pf["wasted"] += 1
                 self._pf["wasted_bytes"] += size
+                if self.heat is not None:
+                    self._bump(key, 5)
             evicted.append(key)
         return evicted
 
@@ -219,6 +237,10 @@ class CacheCore:
                 self._unused_prefetch.discard(key)
                 self._pf["useful"] += 1
                 self._pf["useful_bytes"] += self._size[key]
+                if self.heat is not None:
+                    self._bump(key, 4)
+            if self.heat is not None:
+                self._bump(key, 0)
             return True, []
         if not self._fits_after_eviction(nbytes):
             raise BudgetRejected(
@@ -228,6 +250,8 @@ class CacheCore:
         counters[1] += 1
         counters[3] += nbytes
         self._insert(key, nbytes)
+        if self.heat is not None:
+            self._bump(key, 1)
         return False, evicted
 
     def prefetch(self, key: Key, nbytes: int, touch: bool = False) -> tuple[str, list[Key]]:
@@ -247,9 +271,23 @@ class CacheCore:
         self._unused_prefetch.add(key)
         self._pf["issued"] += 1
         self._pf["issued_bytes"] += nbytes
+        if self.heat is not None:
+            self._bump(key, 3)
         return "load", evicted
 
     # -- counters ------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """The state as plain copies, for a reader on ANOTHER thread (the dashboard) while the
+        engine thread keeps changing it: each container is copied by one C-level call, which
+        the GIL makes atomic, so nothing here iterates a dict that can change size under it.
+        Costs microseconds for thousands of blocks; the engine never waits for it."""
+        heat = self.heat
+        return {"resident": list(self._size), "pinned": list(self._pins),
+                "prefetch_pending": list(self._unused_prefetch), "used_bytes": self.used_bytes,
+                "layers": [(layer, tuple(c)) for layer, c in list(self._layers.items())],
+                "prefetch": dict(self._pf),
+                "heat": [(k, tuple(v)) for k, v in list(heat.items())] if heat is not None else []}
+
     def stats(self) -> CacheStats:
         per_layer = tuple(LayerStats(layer, *c) for layer, c in sorted(self._layers.items()))
         pf = self._pf

@@ -2,6 +2,7 @@
 
     GET  /health  /metrics  /v1/models  /v1/models/{id}
     POST /v1/chat/completions  /v1/completions          (stream true/false)
+    GET  /  and /dashboard/...                           the live dashboard (serve/dashboard.py)
 Every answer carries `usage` and `telemetry` (docs/telemetry.md); every request appends one
 line to --telemetry-log. One engine thread serves a bounded FIFO queue (429 when full).
 In-process use (tests, bench):  with ServerThread(build_app(rt, "tiny")) as s: s.url
@@ -22,7 +23,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mawforge.engine.generate import validate
@@ -30,6 +31,8 @@ from mawforge.engine.run import add_runtime_arguments, make_recorder, runtime_op
 from mawforge.engine.speculative import add_speculative_arguments, speculator_from_args
 from mawforge.errors import BudgetRejected, MawError, RequestError
 from mawforge.serve import protocol as P
+from mawforge.serve.dashboard import Board
+from mawforge.serve.metrics import Metrics
 from mawforge.serve.worker import Channel, EngineWorker, Failure, Job, Ledger, QueueFull, ShuttingDown
 from mawforge.telemetry import peak_rss_bytes, rss_bytes
 
@@ -66,9 +69,13 @@ class Api:
                              "queue_depth": self.worker.queue_depth, "busy": self.worker.current is not None},
                             status_code=503 if closing else 200)
 
-    async def metrics(self, request: Request) -> PlainTextResponse:
+    async def metrics(self, request: Request) -> Response:
+        body, content_type = self.prometheus.render(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
+
+    def gauges(self) -> dict[str, tuple[float, str]]:
         p = self.rt.plan
-        gauges = {"queue_depth": (self.worker.queue_depth, "requests waiting for the engine"),
+        return {"queue_depth": (self.worker.queue_depth, "requests waiting for the engine"),
                   "busy": (int(self.worker.current is not None), "1 while a generation runs"),
                   "queue_capacity": (self.worker.q.maxsize, "--queue-size"),
                   "context_tokens": (self.rt.opts.context, "KV cache length"),
@@ -79,7 +86,6 @@ class Api:
                   "budget_bytes": (p.budget_bytes or 0, "memory budget (0 = none given)"),
                   "rss_bytes": (rss_bytes(), "resident set of the server process"),
                   "peak_rss_bytes": (peak_rss_bytes(), "peak resident set of the server process")}
-        return PlainTextResponse(self.ledger.prometheus(gauges), media_type="text/plain; version=0.0.4")
 
     async def models(self, request: Request) -> JSONResponse:
         self._auth(request)
@@ -202,13 +208,17 @@ class Api:
 
 def build_app(rt, model_id: str, *, api_key: str | None = None, max_tokens_default: int = 96,
               queue_size: int = 64, telemetry_log: str | None = None, generate_fn=None,
-              close_timeout_s: float | None = 60.0, speculator=None) -> Starlette:
+              close_timeout_s: float | None = 60.0, speculator=None, dashboard: bool = True) -> Starlette:
     """The ASGI app. The engine thread starts with the app's lifespan and stops with it;
     the runtime stays the caller's to close. `generate_fn` replaces engine.generate (tests)."""
     ledger = Ledger(telemetry_log)
     kw = {"generate_fn": generate_fn} if generate_fn is not None else {}
     worker = EngineWorker(rt, ledger, queue_size, speculator=speculator, **kw)
     api = Api(rt, model_id, worker, ledger, api_key, max_tokens_default)
+    api.prometheus = Metrics(ledger, api.gauges)
+    board = Board(rt, model_id, worker, api_key) if dashboard else None
+    if board is not None:
+        worker.generate = board.wrap(worker.generate)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -233,9 +243,10 @@ def build_app(rt, model_id: str, *, api_key: str | None = None, max_tokens_defau
               Route("/v1/models/{model:path}", api.model),
               Route("/v1/chat/completions", api.chat, methods=["POST"]),
               Route("/v1/completions", api.completions, methods=["POST"])]
+    routes += board.routes() if board is not None else []
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={P.ApiError: api_error, HTTPException: http_error, Exception: crash})
-    app.state.worker, app.state.ledger, app.state.api = worker, ledger, api
+    app.state.worker, app.state.ledger, app.state.api, app.state.board = worker, ledger, api, board
     return app
 
 
@@ -324,6 +335,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("MAWFORGE_API_KEY"),
                    help="require Authorization: Bearer KEY on /v1/* (default: $MAWFORGE_API_KEY, else none)")
     p.add_argument("--telemetry-log", default=None, help="append one JSON line per request here")
+    p.add_argument("--no-dashboard", dest="dashboard", action="store_false",
+                   help="no live dashboard at / (it is on by default; --api-key guards it too)")
     p.add_argument("--queue-size", type=int, default=64, help="requests that may wait; beyond it 429")
     p.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests may run before they are cancelled")
@@ -357,9 +370,11 @@ def main(a: argparse.Namespace) -> int:
         spec = speculator_from_args(rt, a)
         model_id = a.model_id or Path(a.pack).resolve().name
         app = build_app(rt, model_id, api_key=a.api_key, max_tokens_default=a.max_tokens_default,
-                        queue_size=a.queue_size, telemetry_log=a.telemetry_log, speculator=spec)
+                        queue_size=a.queue_size, telemetry_log=a.telemetry_log, speculator=spec,
+                        dashboard=a.dashboard)
         announce = lambda url: print(f"mawforge serve: listening on {url} (model {model_id!r}, context "
-                                     f"{opts.context}, queue {a.queue_size})", file=sys.stderr, flush=True)
+                                     f"{opts.context}, queue {a.queue_size})"
+                                     + (f"; dashboard at {url}/" if a.dashboard else ""), file=sys.stderr, flush=True)
         # uvicorn re-raises SIGTERM after its graceful shutdown; a no-op handler makes that exit 0.
         signal.signal(signal.SIGTERM, lambda *_: None)
         _Server(app, a.log_level, a.shutdown_grace_s, announce).run(sockets=[sock])
