@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from mawforge.plan import add_budget_arguments
@@ -67,12 +68,16 @@ class PrefillProgress:
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None:
             from tqdm import tqdm
+            try:           # a terminal that reports no size (a bare pty) gets 80 x 24: tqdm hides
+                size = os.get_terminal_size(self.stream.fileno())     # its bar below 0 rows
+            except OSError:
+                size = os.terminal_size((0, 0))
             self.bar = tqdm(total=total, unit="tok", desc="prefill", file=self.stream, leave=False,
-                            mininterval=0, dynamic_ncols=True)
+                            mininterval=0, ncols=size.columns or 80, nrows=size.lines or 24)
         s = self.rt.cache.stats()
         read = s["materialized_bytes"] + s["prefetch_issued_bytes"] - self.read0
-        self.bar.set_postfix_str(f"read {read / 2**20:.1f} MiB", refresh=False)
-        self.bar.update(done - self.bar.n)
+        self.bar.n = done
+        self.bar.set_postfix_str(f"read {read / 2**20:.1f} MiB")      # draws the bar
         if done >= total:
             self.close()
 
