@@ -38,7 +38,7 @@ def chromium() -> str | None:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     pack_dir = dashboard_pack(tmp_path_factory.mktemp("dashboard"))
-    rt = Runtime(pack_dir, RuntimeOptions(context=512, expert_cache_percent=30, threads=1))
+    rt = Runtime(pack_dir, RuntimeOptions(context=512, memory_budget_gib=0.5, expert_cache_percent=30, threads=1))
     with ServerThread(build_app(rt, MODEL, api_key=KEY, max_tokens_default=16)) as s:
         yield s
     rt.close()
@@ -135,7 +135,7 @@ def test_dashboard_in_a_real_browser(server, tmp_path):
             before = shots()
 
             page.fill("[data-testid=prompt]", PROMPT)
-            page.fill("#max-tokens", "48")
+            page.fill("#max-tokens", "96")
             with page.expect_response("**/v1/chat/completions") as answer:
                 page.click("[data-testid=send]")
             page.wait_for_selector(".msg.assistant[data-state=done]", timeout=60_000)
@@ -144,7 +144,7 @@ def test_dashboard_in_a_real_browser(server, tmp_path):
             tel = chunks[-1]["telemetry"]
             rid = chunks[-1]["id"]
             streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-            assert page.inner_text(".msg.assistant") == streamed and tel["completion_tokens"] == 48
+            assert page.inner_text(".msg.assistant") == streamed and tel["completion_tokens"] == 96
 
             # the numbers on the page are the response's telemetry, in the panel and the table
             shown = page.eval_on_selector_all("[data-testid=last-telemetry] dd",
@@ -157,7 +157,7 @@ def test_dashboard_in_a_real_browser(server, tmp_path):
             cells = page.eval_on_selector_all(row + " td[data-field]", "ts => ts.map(t => [t.dataset.field, t.dataset.value])")
             for field, value in cells:
                 want = tel["demand_load_s"] + tel["prefetch_stall_s"] if field == "stall_s" else tel[field]
-                assert _number(value) == pytest.approx(want, rel=1e-12), field
+                assert _number(value) == want, field           # the same doubles, summed in the same order
 
             # the heatmap and the charts moved while it decoded
             page.wait_for_function("window.mawforgeDashboard.charts.tok_s && window.mawforgeDashboard.charts.tok_s.length > 0")

@@ -222,12 +222,16 @@ def build_app(rt, model_id: str, *, api_key: str | None = None, max_tokens_defau
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        if board is not None:
+            board.attach()
         worker.start()
         try:
             yield
         finally:
             await asyncio.to_thread(worker.close, close_timeout_s)
             ledger.close()
+            if board is not None:
+                board.detach()
 
     async def api_error(request, e: P.ApiError):
         return error_response(e)

@@ -94,6 +94,7 @@ class Sampler:
         snap = board.core.snapshot()
         self.heat: dict = dict(snap["heat"])     # a new page sees what happens from now on
         self.t, self.totals = time.perf_counter(), board.totals(snap)
+        self.phase = "idle"
 
     def frame(self) -> dict:
         b = self.board
@@ -112,17 +113,19 @@ class Sampler:
         d = {k: totals[k] - self.totals[k] for k in totals}
         dt = t - self.t
         self.t, self.totals = t, totals
+        job = b.worker.current
+        phase = b.rt.cache.driver.kind if job is not None else "idle"
+        prefill, self.phase = "prefill" in (phase, self.phase), phase
         point = None
         if d["tokens"] > 0 or d["accesses"] > 0:
-            tok = d["tokens"]
-            point = {"tok_s": tok / dt if dt > 0 else 0.0,
+            tok = 0 if prefill else d["tokens"]      # a prompt's reads are not any token's
+            point = {"tok_s": d["tokens"] / dt if dt > 0 and not prefill else None,
                      "hit_rate": d["hits"] / d["accesses"] if d["accesses"] else None,
                      "bytes_per_token": d["read_bytes"] / tok if tok else None,
                      "stall_ms_per_token": 1000 * d["stall_s"] / tok if tok else None,
                      "stall_ms_per_s": 1000 * d["stall_s"] / dt if dt > 0 else 0.0}
-        job = b.worker.current
         return {"t": time.time(), "busy": job is not None, "request_id": job.request_id if job else None,
-                "phase": b.rt.cache.driver.kind if job is not None else "idle", "kv_pos": b.rt.kv.pos,
+                "phase": phase, "kv_pos": b.rt.kv.pos,
                 "resident": [flat(k) for k in snap["resident"]], "pinned": [flat(k) for k in snap["pinned"]],
                 "prefetched": [flat(k) for k in snap["prefetch_pending"]], "events": events, "point": point,
                 "used_bytes": snap["used_bytes"], "rss_bytes": rss_bytes(), "peak_rss_bytes": peak_rss_bytes(),
@@ -134,16 +137,26 @@ class Board:
         self.rt, self.model_id, self.worker, self.api_key = rt, model_id, worker, api_key
         self.interval_s = interval_s
         self.core = rt.cache.core
-        self.core.track_heat()
         self.n_experts = rt.cfg.n_experts
-        self.traces = RequestTraces(rt, rt.cache.recorder)
-        rt.cache.recorder = self.traces
+        self.traces = RequestTraces(rt)
         self.tokens = 0                      # tokens generated, counted by the engine thread
         self.seq = 0                         # bumped when a request finishes
         self.requests: deque = deque(maxlen=KEEP_REQUESTS)
         self.kept: OrderedDict = OrderedDict()   # request id -> Trace, or the reason it is missing
 
     # ---- the engine side ------------------------------------------------------------------
+    def attach(self) -> None:
+        """At app start: per-block counts on, this board's recorder in front of the cache's
+        (`--trace-out` keeps recording through it). Apps built one after another on one
+        runtime, as in the tests, each attach and detach in turn."""
+        self.core.track_heat()
+        self.traces.inner = self.rt.cache.recorder
+        self.rt.cache.recorder = self.traces
+
+    def detach(self) -> None:
+        if self.rt.cache.recorder is self.traces:
+            self.rt.cache.recorder = self.traces.inner
+
     def wrap(self, generate_fn):
         """The worker's generate, with the request's trace recorded and its telemetry kept."""
         def generate(rt, prompt, params, **kw):

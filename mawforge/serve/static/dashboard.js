@@ -117,21 +117,24 @@ function drawHeatmap() {
   cv.width = W; cv.height = ch * h.n_layers + 18;
   const g = cv.getContext("2d");
   g.fillStyle = "#0c0f13"; g.fillRect(0, 0, cv.width, cv.height);
-  g.font = "10px system-ui"; g.fillStyle = "#8a93a3";
+  g.font = "10px system-ui";
+  // residency fills the cell; the last event sits inside it for FADE frames, so both stay readable
+  const inset = Math.max(1, Math.floor(Math.min(cw, ch) / 5));
   for (let l = 0; l < h.n_layers; l++) {
-    if (ch >= 10 || l % Math.ceil(10 / ch) === 0) g.fillText(String(l), 2, 14 + l * ch + ch / 2);
+    g.fillStyle = "#8a93a3";
+    if (ch >= 10 || l % Math.ceil(10 / ch) === 0) g.fillText(String(l), 2, 14 + l * ch + ch / 2 + 3);
     for (let e = 0; e < h.n_experts; e++) {
       const i = l * h.n_experts + e, x = 36 + e * cw, y = 14 + l * ch;
-      g.globalAlpha = 1; g.fillStyle = BASE[c.base[i]];
+      g.fillStyle = BASE[c.base[i]];
       g.fillRect(x, y, cw - 1, ch - 1);
       if (c.age[i] > 0 && c.ev[i] >= 0) {
-        g.globalAlpha = c.age[i] / FADE; g.fillStyle = EVENTS[c.ev[i]][1];
-        g.fillRect(x, y, cw - 1, ch - 1);
+        g.fillStyle = EVENTS[c.ev[i]][1];
+        g.fillRect(x + inset, y + inset, cw - 1 - 2 * inset, ch - 1 - 2 * inset);
       }
-      if (c.pinned[i]) { g.globalAlpha = 1; g.strokeStyle = "#fff"; g.lineWidth = 1.5; g.strokeRect(x + .75, y + .75, cw - 2.5, ch - 2.5); }
+      if (c.pinned[i]) { g.strokeStyle = "#fff"; g.lineWidth = 1.5; g.strokeRect(x + .75, y + .75, cw - 2.5, ch - 2.5); }
     }
   }
-  g.globalAlpha = 1; g.fillStyle = "#8a93a3"; g.fillText("layer \\ expert →", 36, 10);
+  g.fillStyle = "#8a93a3"; g.fillText("layer \\ expert →", 36, 10);
 }
 
 // ---- time series --------------------------------------------------------------------------
@@ -153,7 +156,8 @@ function drawChart(k) {
   let lo = Math.min(0, ...vals), hi = Math.max(...vals);
   if (k === "hit_rate") { lo = 0; hi = 1; }
   if (hi <= lo) hi = lo + 1;
-  const x = (i) => 4 + (cv.width - 8) * i / (HISTORY - 1), y = (v) => cv.height - 12 - (cv.height - 20) * (v - lo) / (hi - lo);
+  const slots = Math.max(40, s.length);
+  const x = (i) => 4 + (cv.width - 8) * i / (slots - 1), y = (v) => cv.height - 12 - (cv.height - 20) * (v - lo) / (hi - lo);
   g.strokeStyle = "#2a303a"; g.beginPath(); g.moveTo(0, y(lo)); g.lineTo(cv.width, y(lo)); g.stroke();
   g.strokeStyle = "#5aa9ff"; g.lineWidth = 1.5; g.beginPath();
   let pen = false;
@@ -217,7 +221,7 @@ async function replay(rid) {
   if (!r.ok) { box.textContent = d.error ? d.error.message : "replay failed"; return; }
   const bar = (label, rate, cls, note) => `<div class="bar" data-testid="replay-row"><span>${label}</span>` +
     `<span class="track"><span class="fill ${cls}" style="display:block;width:${(100 * (rate || 0)).toFixed(1)}%"></span></span>` +
-    `<span>${fmtPct(rate)} ${note}</span></div>`;
+    `<span>${fmtPct(rate)} · ${note}</span></div>`;
   let html = `<h3>${rid}: ${d.steps} steps, cache ${fmtBytes(d.capacity_bytes)}</h3>`;
   if (d.live) html += bar("live (cache as it was)", d.live.hit_rate, "live", `${d.live.hits} hits, ${d.live.misses} misses`);
   for (const row of d.rows) {

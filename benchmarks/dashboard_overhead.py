@@ -1,0 +1,150 @@
+"""What the dashboard costs decoding: decode tok/s of the same greedy request, in rounds that
+alternate three servers in one process (this VM's speed drifts within minutes, so only
+ratios inside a round are compared):
+
+  off        build_app(dashboard=False): no per-block counts, no per-request trace
+  on         the dashboard on (counts and per-request trace kept), no page connected
+  connected  the dashboard on and its event stream read by another process, like a browser
+
+Each server has its own Runtime on the same pack; the order of the three rotates per round.
+Prints per-round tok/s and the median of the per-round ratios connected/on (the cost of
+streaming) and connected/off (the whole cost). Wall-clock tok/s on a shared 2-core VM swings
+by tens of percent, so two steadier figures come beside it: the engine thread's CPU time per
+decoded token (time.thread_time, which other processes do not inflate), and what building and
+encoding one frame costs (the event loop holds the GIL that long every interval).
+
+    python benchmarks/dashboard_overhead.py --rounds 7                 # 8 layers x 32 experts
+    python benchmarks/dashboard_overhead.py --rounds 7 --layers 24 --experts 128
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+READER = """
+import sys, urllib.request
+with urllib.request.urlopen(sys.argv[1] + "/dashboard/events") as r:
+    for line in r:
+        if line.startswith(b"event: frame"):
+            print("frame", flush=True)
+"""
+
+
+def make_pack(root: Path, layers: int, experts: int) -> Path:
+    from mawforge.fixtures.synth import synth
+    from mawforge.pack.packer import pack
+    out = root / f"dash-L{layers}-E{experts}.pack"
+    if not out.exists():
+        g = synth(root / f"dash-L{layers}-E{experts}.gguf", layers, quant="Q8_0", vocab=2000, skew=1.0,
+                  stickiness=0.3, report=False, progress=False, hidden=256, n_head=4, n_head_kv=2, head_dim=64,
+                  n_expert=experts, n_expert_used=4, expert_ff=256)
+        pack(g, out, layout="exact", progress=False)
+    return out
+
+
+def engine_cpu(worker, sink: list):
+    """Wrap the worker's generate: CPU seconds of the engine thread per decoded token."""
+    inner = worker.generate
+
+    def generate(*args, **kw):
+        t_first = None
+        for ev in inner(*args, **kw):
+            if t_first is None:
+                t_first = time.thread_time()
+            if ev.telemetry is not None and ev.telemetry.completion_tokens > 1:
+                sink.append((time.thread_time() - t_first) / (ev.telemetry.completion_tokens - 1))
+            yield ev
+    worker.generate = generate
+
+
+def frame_cost(board, n: int = 200) -> float:
+    """Seconds to build and encode one frame (the cache as the last request left it)."""
+    from mawforge.serve.dashboard import Sampler, _sse
+    sampler = Sampler(board)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        _sse("frame", sampler.frame())
+    return (time.perf_counter() - t0) / n
+
+
+def decode_tok_s(url: str, tokens: int) -> float:
+    body = json.dumps({"model": "bench", "prompt": "The expert cache reads", "max_tokens": tokens,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        tel = json.loads(r.read())["telemetry"]
+    assert tel["completion_tokens"] == tokens, tel
+    return tel["decode_tok_s"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--root", type=Path, default=Path("bench-runs/dashboard"))
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--cache-percent", type=float, default=30)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    from mawforge.engine.runtime import Runtime, RuntimeOptions
+    from mawforge.serve.app import ServerThread, build_app
+    a.root.mkdir(parents=True, exist_ok=True)
+    pack = make_pack(a.root, a.layers, a.experts)
+    opts = RuntimeOptions(context=a.tokens + 64, expert_cache_percent=a.cache_percent, threads=a.threads)
+    rts = {name: Runtime(pack, opts) for name in ("off", "on")}
+    apps = {"off": build_app(rts["off"], "bench", dashboard=False), "on": build_app(rts["on"], "bench")}
+    cpu = {"off": [], "on": [], "connected": []}
+    servers = {name: ServerThread(app).start() for name, app in apps.items()}
+    rows = []
+    try:
+        for name in ("off", "on"):
+            decode_tok_s(servers[name].url, 16)        # warm both
+        for name in ("off", "on"):
+            engine_cpu(apps[name].state.worker, cpu[name])
+        for rnd in range(a.rounds):
+            row = {}
+            for name in ("off", "on", "connected")[rnd % 3:] + ("off", "on", "connected")[:rnd % 3]:
+                if name != "connected":
+                    row[name] = decode_tok_s(servers[name].url, a.tokens)
+                    continue
+                reader = subprocess.Popen([sys.executable, "-c", READER, servers["on"].url], stdout=subprocess.PIPE,
+                                          text=True)
+                reader.stdout.readline()                # the stream is flowing
+                row["connected"] = decode_tok_s(servers["on"].url, a.tokens)
+                cpu["connected"].append(cpu["on"].pop())
+                reader.terminate()
+                row["frames"] = 1 + sum(1 for _ in reader.stdout)
+                reader.wait()
+            rows.append(row)
+            print(f"round {rnd}: off {row['off']:.1f}  on {row['on']:.1f}  connected {row['connected']:.1f} tok/s"
+                  f"  ({row['frames']} frames read)", flush=True)
+            time.sleep(0.2)
+        per_frame = frame_cost(apps["on"].state.board)
+    finally:
+        for s in servers.values():
+            s.stop()
+        for rt in rts.values():
+            rt.close()
+    med = lambda k1, k2: statistics.median(r[k1] / r[k2] for r in rows)
+    print(f"{a.layers} layers x {a.experts} experts, cache {a.cache_percent}%, {a.tokens} tokens, {a.rounds} rounds")
+    print(f"median connected/on  {med('connected', 'on'):.4f}   (streaming the dashboard)")
+    print(f"median on/off        {med('on', 'off'):.4f}   (counts and per-request trace)")
+    print(f"median connected/off {med('connected', 'off'):.4f}   (everything)")
+    ms = {k: 1000 * statistics.median(v) for k, v in cpu.items()}
+    print(f"engine-thread CPU per decoded token, median: off {ms['off']:.3f} ms, on {ms['on']:.3f} ms, "
+          f"connected {ms['connected']:.3f} ms (connected/off {ms['connected'] / ms['off']:.4f})")
+    interval = apps["on"].state.board.interval_s
+    print(f"one frame: {1e6 * per_frame:.0f} us to build and encode, every {interval * 1000:.0f} ms: "
+          f"{100 * per_frame / interval:.3f}% of one core's time")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
