@@ -73,6 +73,40 @@ def frame_cost(board, n: int = 200) -> float:
     return (time.perf_counter() - t0) / n
 
 
+def per_token_cost(rt, accesses_per_token: float, n: int = 20000) -> dict:
+    """The two things the dashboard adds to every decode step, timed alone (best of 5, so the
+    load of other processes drops out): a heat count per cache access, a routing copy per layer."""
+    import timeit
+
+    import numpy as np
+
+    from mawforge.cache.core import CacheCore
+    from mawforge.cache.policies import make_policy
+    from mawforge.serve.dashboard import RequestTraces
+    keys = [(i % rt.cfg.n_layers, i % rt.cfg.n_experts) for i in range(64)]
+    cores = {}
+    for heat in (False, True):
+        core = cores[heat] = CacheCore(1 << 40, make_policy("lru"))
+        if heat:
+            core.track_heat()
+        for k in keys:
+            core.access(k, 1)
+    hit = {h: min(timeit.repeat(lambda c=cores[h]: [c.access(k, 1) for k in keys], number=n // 64, repeat=5))
+           / (n // 64 * len(keys)) for h in (False, True)}
+    traces = RequestTraces(rt)
+    traces.start()
+    idx = np.arange(rt.cfg.top_k, dtype=np.int64)[None, :]
+    w = np.full((1, rt.cfg.top_k), 1.0 / rt.cfg.top_k, dtype=np.float32)
+
+    def step():
+        traces.begin_step("decode", 1)
+        for layer in range(rt.cfg.n_layers):
+            traces.record(layer, idx, w)
+        traces.rows = 0                                  # stay under the row cap
+    record = min(timeit.repeat(step, number=500, repeat=5)) / 500
+    return {"heat_s": accesses_per_token * (hit[True] - hit[False]), "trace_s": record}
+
+
 def decode_tok_s(url: str, tokens: int) -> float:
     body = json.dumps({"model": "bench", "prompt": "The expert cache reads", "max_tokens": tokens,
                        "temperature": 0, "ignore_eos": True}).encode()
@@ -127,6 +161,8 @@ def main() -> int:
                   f"  ({row['frames']} frames read)", flush=True)
             time.sleep(0.2)
         per_frame = frame_cost(apps["on"].state.board)
+        last = apps["on"].state.board.requests[-1]
+        cost = per_token_cost(rts["on"], (last["hits"] + last["misses"]) / last["completion_tokens"])
     finally:
         for s in servers.values():
             s.stop()
@@ -140,6 +176,10 @@ def main() -> int:
     ms = {k: 1000 * statistics.median(v) for k, v in cpu.items()}
     print(f"engine-thread CPU per decoded token, median: off {ms['off']:.3f} ms, on {ms['on']:.3f} ms, "
           f"connected {ms['connected']:.3f} ms (connected/off {ms['connected'] / ms['off']:.4f})")
+    added = cost["heat_s"] + cost["trace_s"]
+    print(f"added per decoded token, timed alone: heat counts {1e6 * cost['heat_s']:.1f} us + route trace "
+          f"{1e6 * cost['trace_s']:.1f} us = {1e6 * added:.1f} us, {100 * added / (ms['off'] / 1000):.2f}% of the "
+          f"engine's {ms['off']:.3f} ms")
     interval = apps["on"].state.board.interval_s
     print(f"one frame: {1e6 * per_frame:.0f} us to build and encode, every {interval * 1000:.0f} ms: "
           f"{100 * per_frame / interval:.3f}% of one core's time")

@@ -39,7 +39,8 @@ STATIC = Path(__file__).with_name("static")
 COOKIE = "mawforge_key"
 KEEP_REQUESTS = 32          # telemetry rows kept for the table
 KEEP_TRACES = 8             # route traces kept for replay ...
-MAX_TRACE_ROWS = 32768      # ... each at most this many (token, layer) rows: k*6 bytes a row
+MAX_TRACE_ROWS = 32768      # ... each at most this many (token, layer) rows of k*6 bytes: with top-8,
+                            # 1.5 MiB a trace, 12 MiB for all (not in the plan's O; --no-dashboard)
 REQUEST_FIELDS = ("prompt_tokens", "completion_tokens", "ttft_s", "decode_tok_s", "hit_rate", "hits",
                   "misses", "evictions", "materialized_bytes", "prefetched_bytes", "prefetch_useful_bytes",
                   "prefetch_wasted_bytes", "demand_load_s", "prefetch_stall_s", "peak_rss_bytes",
@@ -66,7 +67,7 @@ class RequestTraces:
     def stop(self):
         """The running request's trace (None if none, or too long to keep: see .dropped)."""
         rec, self.current = self.current, None
-        return rec.to_trace() if rec is not None and rec._kinds else None
+        return rec.to_trace() if rec is not None and self.rows else None
 
     def begin_step(self, kind: str, n_tokens: int) -> None:
         if self.inner is not None:
