@@ -17,6 +17,7 @@ Legend: T tokens in the step, k experts per token (top-k).
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -152,15 +153,10 @@ class CacheCore:
         self.heat: dict[Key, list[int]] | None = None   # key -> counts in HEAT_FIELDS order
 
     def track_heat(self) -> None:
-        """Count events per block as well (off by default: replay does not need them)."""
+        """Count events per block as well (off by default: replay does not need them).
+        A defaultdict makes each count one C-level lookup and an add."""
         if self.heat is None:
-            self.heat = {}
-
-    def _bump(self, key: Key, field: int) -> None:
-        h = self.heat.get(key)
-        if h is None:
-            h = self.heat[key] = [0] * len(HEAT_FIELDS)
-        h[field] += 1
+            self.heat = defaultdict(lambda: [0] * len(HEAT_FIELDS))
 
     # -- residency -----------------------------------------------------------------
     def __contains__(self, key: Key) -> bool:
@@ -207,13 +203,13 @@ class CacheCore:
             self.policy.on_remove(key)
             self._counters(key[0])[2] += 1
             if self.heat is not None:
-                self._bump(key, 2)
+                self.heat[key][2] += 1
             if key in self._unused_prefetch:
                 self._unused_prefetch.discard(key)
                 self._pf["wasted"] += 1
                 self._pf["wasted_bytes"] += size
                 if self.heat is not None:
-                    self._bump(key, 5)
+                    self.heat[key][5] += 1
             evicted.append(key)
         return evicted
 
@@ -238,9 +234,9 @@ class CacheCore:
                 self._pf["useful"] += 1
                 self._pf["useful_bytes"] += self._size[key]
                 if self.heat is not None:
-                    self._bump(key, 4)
+                    self.heat[key][4] += 1
             if self.heat is not None:
-                self._bump(key, 0)
+                self.heat[key][0] += 1
             return True, []
         if not self._fits_after_eviction(nbytes):
             raise BudgetRejected(
@@ -251,7 +247,7 @@ class CacheCore:
         counters[3] += nbytes
         self._insert(key, nbytes)
         if self.heat is not None:
-            self._bump(key, 1)
+            self.heat[key][1] += 1
         return False, evicted
 
     def prefetch(self, key: Key, nbytes: int, touch: bool = False) -> tuple[str, list[Key]]:
@@ -272,7 +268,7 @@ class CacheCore:
         self._pf["issued"] += 1
         self._pf["issued_bytes"] += nbytes
         if self.heat is not None:
-            self._bump(key, 3)
+            self.heat[key][3] += 1
         return "load", evicted
 
     # -- counters ------------------------------------------------------------------

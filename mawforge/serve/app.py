@@ -76,16 +76,16 @@ class Api:
     def gauges(self) -> dict[str, tuple[float, str]]:
         p = self.rt.plan
         return {"queue_depth": (self.worker.queue_depth, "requests waiting for the engine"),
-                  "busy": (int(self.worker.current is not None), "1 while a generation runs"),
-                  "queue_capacity": (self.worker.q.maxsize, "--queue-size"),
-                  "context_tokens": (self.rt.opts.context, "KV cache length"),
-                  "expert_cache_bytes": (p.E, "expert cache budget E"),
-                  "kv_cache_bytes": (p.K, "KV cache bytes K"),
-                  "resident_common_bytes": (p.C, "resident common bytes C"),
-                  "planned_footprint_bytes": (p.F, "planned footprint F = C + E + K + O"),
-                  "budget_bytes": (p.budget_bytes or 0, "memory budget (0 = none given)"),
-                  "rss_bytes": (rss_bytes(), "resident set of the server process"),
-                  "peak_rss_bytes": (peak_rss_bytes(), "peak resident set of the server process")}
+                "busy": (int(self.worker.current is not None), "1 while a generation runs"),
+                "queue_capacity": (self.worker.q.maxsize, "--queue-size"),
+                "context_tokens": (self.rt.opts.context, "KV cache length"),
+                "expert_cache_bytes": (p.E, "expert cache budget E"),
+                "kv_cache_bytes": (p.K, "KV cache bytes K"),
+                "resident_common_bytes": (p.C, "resident common bytes C"),
+                "planned_footprint_bytes": (p.F, "planned footprint F = C + E + K + O"),
+                "budget_bytes": (p.budget_bytes or 0, "memory budget (0 = none given)"),
+                "rss_bytes": (rss_bytes(), "resident set of the server process"),
+                "peak_rss_bytes": (peak_rss_bytes(), "peak resident set of the server process")}
 
     async def models(self, request: Request) -> JSONResponse:
         self._auth(request)
@@ -337,7 +337,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-speculative", dest="speculative", action="store_const", const="off",
                    help="plain decoding (the default; same as --speculative off)")
     p.add_argument("--api-key", default=os.environ.get("MAWFORGE_API_KEY"),
-                   help="require Authorization: Bearer KEY on /v1/* (default: $MAWFORGE_API_KEY, else none)")
+                   help="require Authorization: Bearer KEY on /v1/* and the dashboard (default: $MAWFORGE_API_KEY, else none)")
     p.add_argument("--telemetry-log", default=None, help="append one JSON line per request here")
     p.add_argument("--no-dashboard", dest="dashboard", action="store_false",
                    help="no live dashboard at / (it is on by default; --api-key guards it too)")

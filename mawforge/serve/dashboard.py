@@ -49,42 +49,56 @@ REQUEST_FIELDS = ("prompt_tokens", "completion_tokens", "ttft_s", "decode_tok_s"
 
 class RequestTraces:
     """Installed as the expert cache's recorder: forwards every call to the recorder it wraps
-    (`--trace-out`, or None) and records the running request's routing in a trace of its own,
-    so any of the last requests can be replayed against Belady on demand."""
+    (`--trace-out`, or None) and keeps the running request's routing, so any of the last
+    requests can be replayed against Belady on demand. The engine thread only appends copies
+    of the small routing arrays; the Trace is built when a replay asks for it."""
 
     def __init__(self, rt, inner=None):
-        self.rt, self.inner, self.current = rt, inner, None
+        self.rt, self.inner = rt, inner
+        self.steps: list[tuple[str, int]] | None = None          # None: not recording
+        self.records: list = []                                   # (step, layer, experts, weights)
         self.rows = 0
         self.dropped: str | None = None
 
     def start(self) -> None:
-        c, rt = self.rt.cfg, self.rt
-        self.current = TraceRecorder(n_layers=c.n_layers, n_experts=c.n_experts, top_k=c.top_k,
-                                     block_bytes=list(rt.cache.slot_bytes), model=c.arch,
-                                     pack_digest=rt.manifest.pack_digest)
-        self.rows, self.dropped = 0, None
+        self.steps, self.records, self.rows, self.dropped = [], [], 0, None
 
     def stop(self):
-        """The running request's trace (None if none, or too long to keep: see .dropped)."""
-        rec, self.current = self.current, None
-        return rec.to_trace() if rec is not None and self.rows else None
+        """The running request's routing (None if none, or too long to keep: see .dropped)."""
+        steps, self.steps = self.steps, None
+        return (steps, self.records) if steps and self.records else None
 
     def begin_step(self, kind: str, n_tokens: int) -> None:
         if self.inner is not None:
             self.inner.begin_step(kind, n_tokens)
-        if self.current is not None:
-            self.current.begin_step(kind, n_tokens)
+        if self.steps is not None:
+            self.steps.append((kind, n_tokens))
 
     def record(self, layer: int, idx, w) -> None:
         if self.inner is not None:
             self.inner.record(layer, idx, w)
-        if self.current is not None:
+        if self.steps is not None:
             self.rows += len(idx)
             if self.rows > MAX_TRACE_ROWS:
-                self.current = None
+                self.steps, self.records = None, []
                 self.dropped = f"the route trace passed {MAX_TRACE_ROWS} (token, layer) rows and was not kept"
             else:
-                self.current.record(layer, idx, w)
+                self.records.append((len(self.steps) - 1, layer, idx.copy(), w.copy()))
+
+    def trace(self, kept):
+        """(steps, records) from stop() -> a Trace, through the recorder `--trace-out` uses."""
+        steps, records = kept
+        c, rt = self.rt.cfg, self.rt
+        rec = TraceRecorder(n_layers=c.n_layers, n_experts=c.n_experts, top_k=c.top_k,
+                            block_bytes=list(rt.cache.slot_bytes), model=c.arch, pack_digest=rt.manifest.pack_digest)
+        it = iter(records)
+        nxt = next(it, None)
+        for i, (kind, n) in enumerate(steps):
+            rec.begin_step(kind, n)
+            while nxt is not None and nxt[0] == i:
+                rec.record(*nxt[1:])
+                nxt = next(it, None)
+        return rec.to_trace()
 
 
 class Sampler:
@@ -254,9 +268,10 @@ class Board:
             raise P.ApiError(409, trace, code="trace_unavailable")
         return JSONResponse(await asyncio.to_thread(self._replay, rid, trace))
 
-    def _replay(self, rid: str, trace) -> dict:
+    def _replay(self, rid: str, kept) -> dict:
         """The live policy and the two Belady references on the request's trace, all from an
         empty cache of the live capacity (the live run began with whatever was resident)."""
+        trace = self.traces.trace(kept)
         cap = self.rt.cache.capacity
         budget = Budget("live", cap, 100.0 * cap / trace.total_expert_bytes)
         live = next((r for r in reversed(self.requests) if r["request_id"] == rid), None)
