@@ -92,7 +92,8 @@ def test_metrics_keep_their_names_and_add_histograms(server):
 def test_heat_counts_add_up_to_the_layer_counters():
     rng = np.random.default_rng(0)
     core = CacheCore(6 * 100, make_policy("lru"))
-    core.track_heat()
+    core.access((1, 3), 100)                      # resident before counting starts
+    core.track_heat(3, 8)
     driver = RouteDriver(core, lambda layer, expert: 100)
     for _ in range(50):
         driver.begin_step("decode", 1)
@@ -102,12 +103,12 @@ def test_heat_counts_add_up_to_the_layer_counters():
         driver.end_step()
         driver.prefetch([(0, int(rng.integers(8)))])
     snap, stats = core.snapshot(), core.stats()
-    heat = dict(snap["heat"])
-    total = lambda field: sum(v[HEAT_FIELDS.index(field)] for v in heat.values())
-    assert (total("hits"), total("misses"), total("evictions")) == (stats.hits, stats.misses, stats.evictions)
+    total = lambda field: int(snap["heat"][HEAT_FIELDS.index(field)].sum())
+    assert (total("hits"), total("misses") + 1, total("evictions")) == (stats.hits, stats.misses, stats.evictions)
     assert (total("prefetch_loads"), total("prefetch_useful"), total("prefetch_wasted")) == \
         (stats.prefetch_issued, stats.prefetch_useful, stats.prefetch_wasted)
     assert sorted(snap["resident"]) == sorted(core.resident()) and snap["used_bytes"] == core.used_bytes
+    assert np.flatnonzero(snap["resident_map"]).tolist() == sorted(l * 8 + e for l, e in core.resident())
 
 
 def _number(text: str):

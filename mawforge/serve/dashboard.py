@@ -9,7 +9,7 @@ nothing from a CDN) fed by one server-sent-event stream.
     GET /dashboard/api/replay/{id} that request's route trace replayed: the live policy and Belady
 
 What it costs the engine: the cache core counts events per block (CacheCore.track_heat: one
-dict update per access), the routing of the running request is copied per layer (the same
+array increment per access), the routing of the running request is copied per layer (the same
 copy `--trace-out` makes), and a token counter. A frame is built on the event-loop thread
 from CacheCore.snapshot() (C-level copies, no lock the engine waits on) and sent only while a
 page is connected. benchmarks/dashboard_overhead.py measures decode tok/s with and without.
@@ -24,6 +24,7 @@ from collections import OrderedDict, deque
 from pathlib import Path
 from urllib.parse import unquote
 
+import numpy as np
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, StreamingResponse
 from starlette.routing import Mount, Route
@@ -107,7 +108,7 @@ class Sampler:
     def __init__(self, board: "Board"):
         self.board = board
         snap = board.core.snapshot()
-        self.heat: dict = dict(snap["heat"])     # a new page sees what happens from now on
+        self.heat = snap["heat"]                 # [fields, layers * experts]: a new page sees what happens from now on
         self.t, self.totals = time.perf_counter(), board.totals(snap)
         self.phase = "idle"
 
@@ -116,14 +117,9 @@ class Sampler:
         snap = b.core.snapshot()
         n_exp = b.n_experts
         flat = lambda key: key[0] * n_exp + key[1]
-        events = {name: [] for name in HEAT_FIELDS}
-        for key, counts in snap["heat"]:
-            before = self.heat.get(key)
-            if before != counts:
-                for name, now, was in zip(HEAT_FIELDS, counts, before or (0,) * len(counts)):
-                    if now > was:
-                        events[name].append([flat(key), now - was])
-                self.heat[key] = counts
+        d, self.heat = snap["heat"] - self.heat, snap["heat"]          # [fields, layers * experts]
+        # the cells (layer * experts + expert) where each kind of event happened since the last frame
+        events = {name: np.flatnonzero(d[f]).tolist() for f, name in enumerate(HEAT_FIELDS)}
         t, totals = time.perf_counter(), b.totals(snap)
         d = {k: totals[k] - self.totals[k] for k in totals}
         dt = t - self.t
@@ -141,7 +137,7 @@ class Sampler:
                      "stall_ms_per_s": 1000 * d["stall_s"] / dt if dt > 0 else 0.0}
         return {"t": time.time(), "busy": job is not None, "request_id": job.request_id if job else None,
                 "phase": phase, "kv_pos": b.rt.kv.pos,
-                "resident": [flat(k) for k in snap["resident"]], "pinned": [flat(k) for k in snap["pinned"]],
+                "resident": np.flatnonzero(snap["resident_map"]).tolist(), "pinned": [flat(k) for k in snap["pinned"]],
                 "prefetched": [flat(k) for k in snap["prefetch_pending"]], "events": events, "point": point,
                 "used_bytes": snap["used_bytes"], "rss_bytes": rss_bytes(), "peak_rss_bytes": peak_rss_bytes(),
                 "queue_depth": b.worker.queue_depth, "requests_seq": b.seq}
@@ -164,7 +160,7 @@ class Board:
         """At app start: per-block counts on, this board's recorder in front of the cache's
         (`--trace-out` keeps recording through it). Apps built one after another on one
         runtime, as in the tests, each attach and detach in turn."""
-        self.core.track_heat()
+        self.core.track_heat(self.rt.cfg.n_layers, self.n_experts)
         self.traces.inner = self.rt.cache.recorder
         self.rt.cache.recorder = self.traces
 

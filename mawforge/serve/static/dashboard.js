@@ -83,7 +83,7 @@ function onFrame(f) {
   for (let i = 0; i < c.age.length; i++) if (c.age[i] > 0) c.age[i]--;
   // the most telling event of this frame wins the cell
   for (let j = EVENTS.length - 1; j >= 0; j--) {
-    for (const [i] of f.events[EVENTS[j][0]] || []) { c.ev[i] = j; c.age[i] = FADE; }
+    for (const i of f.events[EVENTS[j][0]] || []) { c.ev[i] = j; c.age[i] = FADE; }
   }
   drawHeatmap();
   const E = state.hello.plan.E;
