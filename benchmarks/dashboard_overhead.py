@@ -14,7 +14,7 @@ decoded token (time.thread_time, which other processes do not inflate), and what
 encoding one frame costs (the event loop holds the GIL that long every interval).
 
     python benchmarks/dashboard_overhead.py --rounds 7                 # 8 layers x 32 experts
-    python benchmarks/dashboard_overhead.py --rounds 7 --layers 24 --experts 128
+    python benchmarks/dashboard_overhead.py --frame-grid 48x128        # one frame's cost, no model
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def per_token_cost(rt, accesses_per_token: float, n: int = 20000) -> dict:
     for heat in (False, True):
         core = cores[heat] = CacheCore(1 << 40, make_policy("lru"))
         if heat:
-            core.track_heat()
+            core.track_heat(rt.cfg.n_layers, rt.cfg.n_experts)
         for k in keys:
             core.access(k, 1)
     best = {False: float("inf"), True: float("inf")}
@@ -110,6 +110,43 @@ def per_token_cost(rt, accesses_per_token: float, n: int = 20000) -> dict:
     return {"heat_s": accesses_per_token * (hit[True] - hit[False]), "trace_s": record}
 
 
+def frame_cost_at(layers: int, experts: int, top_k: int = 8, percent: float = 25, rounds: int = 30) -> float:
+    """CPU seconds (median) of one frame for a cache of `layers` x `experts` blocks without a
+    model: a torch-free CacheCore driven by Zipf routing, five decode steps between frames."""
+    import types
+
+    import numpy as np
+
+    from mawforge.cache.core import CacheCore, RouteDriver
+    from mawforge.cache.policies import make_policy
+    from mawforge.serve.dashboard import Board, Sampler, _sse
+    core = CacheCore(int(layers * experts * 100 * percent / 100), make_policy("lru"))
+    core.track_heat(layers, experts)
+    driver, rng = RouteDriver(core, lambda layer, expert: 100), np.random.default_rng(0)
+    p = 1.0 / np.arange(1, experts + 1)
+    p /= p.sum()
+
+    def steps(n):
+        for _ in range(n):
+            driver.begin_step("decode", 1)
+            for layer in range(layers):
+                for _ in driver.layer(layer, rng.choice(experts, size=(1, top_k), replace=False, p=p)):
+                    pass
+    steps(200)
+    cache = types.SimpleNamespace(core=core, driver=driver, load_seconds=0.0, prefetch_stall_seconds=0.0)
+    board = types.SimpleNamespace(core=core, n_experts=experts, seq=0, tokens=0,
+                                  rt=types.SimpleNamespace(cache=cache, kv=types.SimpleNamespace(pos=0)),
+                                  worker=types.SimpleNamespace(current=None, queue_depth=0))
+    board.totals = lambda snap=None: Board.totals(board, snap)
+    sampler, cpu = Sampler(board), []
+    for _ in range(rounds):
+        steps(5)
+        t = time.thread_time()
+        _sse("frame", sampler.frame())
+        cpu.append(time.thread_time() - t)
+    return statistics.median(cpu)
+
+
 def decode_tok_s(url: str, tokens: int) -> float:
     body = json.dumps({"model": "bench", "prompt": "The expert cache reads", "max_tokens": tokens,
                        "temperature": 0, "ignore_eos": True}).encode()
@@ -129,7 +166,15 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--frame-grid", default=None, metavar="LxE",
+                    help="only time one frame for a LxE cache without a model (e.g. 48x128)")
     a = ap.parse_args()
+    if a.frame_grid:
+        layers, experts = (int(x) for x in a.frame_grid.lower().split("x"))
+        cpu = frame_cost_at(layers, experts)
+        print(f"{layers} layers x {experts} experts, top-8, 25% cache, Zipf routing: one frame {1e6 * cpu:.0f} us "
+              f"of CPU (median of 30), every 200 ms: {100 * cpu / 0.2:.2f}% of one core's time")
+        return 0
     from mawforge.engine.runtime import Runtime, RuntimeOptions
     from mawforge.serve.app import ServerThread, build_app
     a.root.mkdir(parents=True, exist_ok=True)
