@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import subprocess
 import sys
 
@@ -43,6 +44,9 @@ def test_a_terminal_sees_tokens_done_and_bytes_read(pack_dir):
     os.close(slave)
     seen = b""
     while True:
+        if not select.select([master], [], [], 120)[0]:
+            proc.kill()
+            pytest.fail("mawforge run wrote nothing to its terminal for 120 s")
         try:
             data = os.read(master, 65536)
         except OSError:              # EIO: the child closed the terminal
