@@ -76,3 +76,16 @@ def sample_outputs(rt, prompt, params: dict, speculative, n: int) -> tuple[dict,
         drafted += ev[-1].telemetry.speculative["drafted"]
         accepted += ev[-1].telemetry.speculative["accepted"]
     return counts, drafted, accepted
+
+
+def dashboard_pack(root: Path) -> Path:
+    """A tiny synthetic Qwen3-MoE pack with enough experts for the dashboard's heatmap to show
+    something (8 layers x 32 experts, top-4, skewed routing); no transformers needed."""
+    from mawforge.fixtures.synth import synth
+    from mawforge.pack.packer import pack
+    out = root / "dash.pack"
+    g = synth(root / "dash.gguf", 8, quant="Q8_0", vocab=2000, skew=1.0, stickiness=0.3, report=False,
+              progress=False, hidden=256, n_head=4, n_head_kv=2, head_dim=64, n_expert=32, n_expert_used=4,
+              expert_ff=256)
+    pack(g, out, layout="exact", progress=False)
+    return out

@@ -2,6 +2,7 @@
 
     GET  /health  /metrics  /v1/models  /v1/models/{id}
     POST /v1/chat/completions  /v1/completions          (stream true/false)
+    GET  /  and /dashboard/...                           the live dashboard (serve/dashboard.py)
 Every answer carries `usage` and `telemetry` (docs/telemetry.md); every request appends one
 line to --telemetry-log. One engine thread serves a bounded FIFO queue (429 when full).
 In-process use (tests, bench):  with ServerThread(build_app(rt, "tiny")) as s: s.url
@@ -23,7 +24,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mawforge.engine.chat import ChatTemplate
@@ -35,6 +36,8 @@ from mawforge.serve import protocol as P
 from mawforge.serve.chatreq import (ChatDefaults, ChatFront, Turn, finish_reason, parse_chat_options, shape_choice,
                                     stream_chunks)
 from mawforge.serve.servecli import add_chat_arguments, chat_settings
+from mawforge.serve.dashboard import Board
+from mawforge.serve.metrics import Metrics
 from mawforge.serve.worker import Channel, EngineWorker, Failure, Job, Ledger, QueueFull, ShuttingDown
 from mawforge.telemetry import peak_rss_bytes, rss_bytes
 
@@ -72,20 +75,23 @@ class Api:
                              "queue_depth": self.worker.queue_depth, "busy": self.worker.current is not None},
                             status_code=503 if closing else 200)
 
-    async def metrics(self, request: Request) -> PlainTextResponse:
+    async def metrics(self, request: Request) -> Response:
+        body, content_type = self.prometheus.render(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
+
+    def gauges(self) -> dict[str, tuple[float, str]]:
         p = self.rt.plan
-        gauges = {"queue_depth": (self.worker.queue_depth, "requests waiting for the engine"),
-                  "busy": (int(self.worker.current is not None), "1 while a generation runs"),
-                  "queue_capacity": (self.worker.q.maxsize, "--queue-size"),
-                  "context_tokens": (self.rt.opts.context, "KV cache length"),
-                  "expert_cache_bytes": (p.E, "expert cache budget E"),
-                  "kv_cache_bytes": (p.K, "KV cache bytes K"),
-                  "resident_common_bytes": (p.C, "resident common bytes C"),
-                  "planned_footprint_bytes": (p.F, "planned footprint F = C + E + K + O"),
-                  "budget_bytes": (p.budget_bytes or 0, "memory budget (0 = none given)"),
-                  "rss_bytes": (rss_bytes(), "resident set of the server process"),
-                  "peak_rss_bytes": (peak_rss_bytes(), "peak resident set of the server process")}
-        return PlainTextResponse(self.ledger.prometheus(gauges), media_type="text/plain; version=0.0.4")
+        return {"queue_depth": (self.worker.queue_depth, "requests waiting for the engine"),
+                "busy": (int(self.worker.current is not None), "1 while a generation runs"),
+                "queue_capacity": (self.worker.q.maxsize, "--queue-size"),
+                "context_tokens": (self.rt.opts.context, "KV cache length"),
+                "expert_cache_bytes": (p.E, "expert cache budget E"),
+                "kv_cache_bytes": (p.K, "KV cache bytes K"),
+                "resident_common_bytes": (p.C, "resident common bytes C"),
+                "planned_footprint_bytes": (p.F, "planned footprint F = C + E + K + O"),
+                "budget_bytes": (p.budget_bytes or 0, "memory budget (0 = none given)"),
+                "rss_bytes": (rss_bytes(), "resident set of the server process"),
+                "peak_rss_bytes": (peak_rss_bytes(), "peak resident set of the server process")}
 
     async def models(self, request: Request) -> JSONResponse:
         self._auth(request)
@@ -236,7 +242,8 @@ class Api:
 def build_app(rt, model_id: str, *, api_key: str | None = None, max_tokens_default: int = 96,
               queue_size: int = 64, telemetry_log: str | None = None, generate_fn=None,
               close_timeout_s: float | None = 60.0, speculator=None, chat_template: str | None = None,
-              chat_defaults: ChatDefaults | None = None, allow_forced_output: bool = False) -> Starlette:
+              chat_defaults: ChatDefaults | None = None, allow_forced_output: bool = False,
+              dashboard: bool = True) -> Starlette:
     """The ASGI app. The engine thread starts with the app's lifespan and stops with it;
     the runtime stays the caller's to close. `generate_fn` replaces engine.generate (tests).
     `chat_template` replaces the pack's template (--chat-template-file); `allow_forced_output`
@@ -249,15 +256,23 @@ def build_app(rt, model_id: str, *, api_key: str | None = None, max_tokens_defau
         chat = ChatTemplate(chat_template, chat.bos, chat.eos)
     api = Api(rt, model_id, worker, ledger, api_key, max_tokens_default,
               ChatFront(chat, chat_defaults or ChatDefaults()), allow_forced_output)
+    api.prometheus = Metrics(ledger, api.gauges)
+    board = Board(rt, model_id, worker, api_key) if dashboard else None
+    if board is not None:
+        worker.generate = board.wrap(worker.generate)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        if board is not None:
+            board.attach()
         worker.start()
         try:
             yield
         finally:
             await asyncio.to_thread(worker.close, close_timeout_s)
             ledger.close()
+            if board is not None:
+                board.detach()
 
     async def api_error(request, e: P.ApiError):
         return error_response(e)
@@ -273,9 +288,10 @@ def build_app(rt, model_id: str, *, api_key: str | None = None, max_tokens_defau
               Route("/v1/models/{model:path}", api.model),
               Route("/v1/chat/completions", api.chat, methods=["POST"]),
               Route("/v1/completions", api.completions, methods=["POST"])]
+    routes += board.routes() if board is not None else []
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={P.ApiError: api_error, HTTPException: http_error, Exception: crash})
-    app.state.worker, app.state.ledger, app.state.api = worker, ledger, api
+    app.state.worker, app.state.ledger, app.state.api, app.state.board = worker, ledger, api, board
     return app
 
 
@@ -362,8 +378,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-speculative", dest="speculative", action="store_const", const="off",
                    help="plain decoding (the default; same as --speculative off)")
     p.add_argument("--api-key", default=os.environ.get("MAWFORGE_API_KEY"),
-                   help="require Authorization: Bearer KEY on /v1/* (default: $MAWFORGE_API_KEY, else none)")
+                   help="require Authorization: Bearer KEY on /v1/* and the dashboard (default: $MAWFORGE_API_KEY, else none)")
     p.add_argument("--telemetry-log", default=None, help="append one JSON line per request here")
+    p.add_argument("--no-dashboard", dest="dashboard", action="store_false",
+                   help="no live dashboard at / (it is on by default; --api-key guards it too)")
     p.add_argument("--queue-size", type=int, default=64, help="requests that may wait; beyond it 429")
     p.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests may run before they are cancelled")
@@ -400,9 +418,10 @@ def main(a: argparse.Namespace) -> int:
         model_id = a.model_id or Path(a.pack).resolve().name
         app = build_app(rt, model_id, api_key=a.api_key, max_tokens_default=a.max_tokens_default,
                         queue_size=a.queue_size, telemetry_log=a.telemetry_log, speculator=spec,
-                        **chat)
+                        dashboard=a.dashboard, **chat)
         announce = lambda url: print(f"mawforge serve: listening on {url} (model {model_id!r}, context "
-                                     f"{opts.context}, queue {a.queue_size})", file=sys.stderr, flush=True)
+                                     f"{opts.context}, queue {a.queue_size})"
+                                     + (f"; dashboard at {url}/" if a.dashboard else ""), file=sys.stderr, flush=True)
         # uvicorn re-raises SIGTERM after its graceful shutdown; a no-op handler makes that exit 0.
         signal.signal(signal.SIGTERM, lambda *_: None)
         _Server(app, a.log_level, a.shutdown_grace_s, announce).run(sockets=[sock])
