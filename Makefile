@@ -11,11 +11,17 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # torch is pinned to the CPU build on this machine's disk (plain `torch` pulls a CUDA build).
+# `venv` holds what the demo needs and nothing more (no compiler run, no transformers).
 venv: $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q -e '.[demo]'
 
+# The tests' oracle and peer, llama-cpp-python, is compiled by scripts/llama_wheel.py with
+# GGML_NATIVE=OFF, an explicit ISA list and AMX off, into a wheel keyed by those flags (pip's
+# own wheel cache is bypassed): a build for one CPU is never reused on another, and AMX Xeons
+# do not crash in ggml's AMX repack path. Its first run compiles llama.cpp (~7 min on 2 cores).
 venv-test: venv
+	$(BIN)/python scripts/llama_wheel.py --pip $(BIN)/pip
 	$(BIN)/pip install -q -e '.[test]'
 
 # Packs the shipped demo model (mawforge/demo/: a small Qwen3-MoE trained on the KJV Bible and
@@ -23,7 +29,7 @@ venv-test: venv
 # generates under an expert cache of 25% of the routed expert bytes, replays the route trace,
 # and serves one chat request through the OpenAI API.
 DEMO_GGUF := mawforge/demo/mawforge-demo-qwen3moe-Q4_K_M.gguf
-demo: venv-test
+demo: venv
 	$(BIN)/mawforge pack $(DEMO_GGUF) -o $(WORK)/pack --force
 	$(BIN)/mawforge inspect $(WORK)/pack
 	$(BIN)/mawforge verify $(WORK)/pack

@@ -120,7 +120,8 @@ def plain_row(pct: float, pname: str, toks: list[int], tp) -> tuple[str, dict]:
     distinct = len(set(toks)) / max(len(toks), 1)
     line = (f"{pct:7.2f} {pname:>9} {'plain':>10} {'':>4} {distinct:8.2f} {'':>9} {'':>5} {'':>9} "
             f"{tp.decode_tok_s:7.2f} {1.0:5.2f} {tp.materialized_bytes / MiB:8.1f} {1.0:5.2f}")
-    return line, {"mode": "plain", "distinct_fraction": distinct, "decode_tok_s": tp.decode_tok_s}
+    return line, {"mode": "plain", "distinct_fraction": distinct, "decode_tok_s": tp.decode_tok_s,
+                  "materialized_bytes": tp.materialized_bytes}
 
 
 def spec_row(pct: float, pname: str, mode: str, toks: list[int], t, base: list[int], tp) -> tuple[str, dict]:
@@ -129,6 +130,7 @@ def spec_row(pct: float, pname: str, mode: str, toks: list[int], t, base: list[i
     row = {"mode": label, "identical": toks == base, "acceptance": s["acceptance_rate"],
            "decode_tok_s": t.decode_tok_s, "plain_decode_tok_s": tp.decode_tok_s,
            "tok_s_ratio": t.decode_tok_s / max(tp.decode_tok_s, 1e-9),
+           "materialized_bytes": t.materialized_bytes, "plain_materialized_bytes": tp.materialized_bytes,
            "materialized_ratio": t.materialized_bytes / max(tp.materialized_bytes, 1),
            "decode_materialized_ratio": s["decode_materialized_bytes"] / max(s["plain_materialized_bytes"], 1),
            "draft_planned_bytes": s["draft"].get("planned_bytes", 0)}

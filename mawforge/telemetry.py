@@ -1,6 +1,7 @@
 """One telemetry schema for the CLI, the server and the bench (documented in docs/telemetry.md)."""
 from __future__ import annotations
 
+import math
 import os
 import resource
 from dataclasses import asdict, dataclass, field
@@ -26,6 +27,31 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+class StallMeter:
+    """Per decode step, how long the compute waited on expert reads and how many tokens the step
+    emitted (one, or accepted drafts plus one). A higher hit rate is not always a faster run:
+    these say how many tokens paid for a read and how long the typical and the bad waits were."""
+
+    def __init__(self) -> None:
+        self.waits: list[float] = []
+        self.tokens = self.stalled_tokens = 0
+
+    def record(self, wait_s: float, tokens: int) -> None:
+        self.tokens += tokens
+        if wait_s > 0.0:
+            self.waits.append(wait_s)
+            self.stalled_tokens += tokens
+
+    def summary(self) -> tuple[float, float, float]:
+        """(share of decode tokens that waited, p50 wait, p95 wait): nearest-rank percentiles
+        over the steps that waited; zeros when none did."""
+        if not self.waits:
+            return 0.0, 0.0, 0.0
+        w = sorted(self.waits)
+        rank = lambda q: w[max(0, math.ceil(len(w) * q) - 1)]
+        return self.stalled_tokens / max(self.tokens, 1), rank(0.5), rank(0.95)
+
+
 @dataclass
 class Telemetry:
     schema: str = SCHEMA
@@ -46,6 +72,9 @@ class Telemetry:
     prefetch_wasted_bytes: int = 0
     demand_load_s: float = 0.0          # wall time the compute waited on demand reads (misses)
     prefetch_stall_s: float = 0.0       # wall time the compute waited on prefetches still in flight
+    decode_stall_token_share: float = 0.0   # decode tokens whose step waited on an expert read
+    decode_stall_p50_s: float = 0.0     # median wait of the decode steps that waited
+    decode_stall_p95_s: float = 0.0     # 95th percentile of those waits
     expert_cache_bytes: int = 0         # the cache's budget E
     expert_cache_held_bytes: int = 0    # slot bytes actually held
     kv_cache_bytes: int = 0
@@ -67,11 +96,16 @@ class Telemetry:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def set_stalls(self, meter: "StallMeter") -> None:
+        self.decode_stall_token_share, self.decode_stall_p50_s, self.decode_stall_p95_s = meter.summary()
+
     def line(self) -> str:
         g = lambda n: f"{n / 2**30:.3f}GiB" if n >= 2**30 else f"{n / 2**20:.1f}MiB"
         return (f"[telemetry] prompt {self.prompt_tokens} tok, completion {self.completion_tokens} tok | "
                 f"TTFT {self.ttft_s:.3f}s | decode {self.decode_tok_s:.2f} tok/s | hits {self.hits} "
                 f"misses {self.misses} hit rate {100 * self.hit_rate:.1f}% evictions {self.evictions} | "
+                f"read stalls {100 * self.decode_stall_token_share:.0f}% of tokens, p50 "
+                f"{1e3 * self.decode_stall_p50_s:.1f}ms p95 {1e3 * self.decode_stall_p95_s:.1f}ms | "
                 f"materialized {g(self.materialized_bytes)} | expert cache {g(self.expert_cache_bytes)} "
                 f"KV {g(self.kv_cache_bytes)} common {g(self.resident_common_bytes)} | "
                 f"peak RSS {g(self.peak_rss_bytes)} (planned F {g(self.planned_footprint_bytes)}"

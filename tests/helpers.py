@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import numpy as np
 import torch
@@ -14,6 +17,17 @@ from gguf import quants as gq
 from mawforge.formats import quants
 from mawforge.formats.source import Source
 from mawforge.pack.manifest import EXPERTS, ExpertIndex
+
+# Host capabilities some tests need. Each carries its reason, so a host without it reports a
+# skip that says why instead of a failure (and nothing is skipped where the capability exists).
+C_COMPILER = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+CPU_FLAGS = set(next((l for l in open("/proc/cpuinfo") if l.startswith("flags")), "").split()) \
+    if os.path.exists("/proc/cpuinfo") else set()
+needs_cc = pytest.mark.skipif(C_COMPILER is None, reason="needs a C compiler (native kernels compile at first use)")
+needs_avx2 = pytest.mark.skipif("avx2" not in CPU_FLAGS,
+                                reason="needs an AVX2 CPU (compares the AVX2 build with the scalar build)")
+needs_proc_rss = pytest.mark.skipif(not os.path.exists("/proc/self/status"),
+                                    reason="peak RSS is read from /proc/self/status (Linux)")
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 GGUF_FTYPES = ("F32", "F16", "Q8_0", "Q4_K_M")
@@ -62,3 +76,16 @@ def sample_outputs(rt, prompt, params: dict, speculative, n: int) -> tuple[dict,
         drafted += ev[-1].telemetry.speculative["drafted"]
         accepted += ev[-1].telemetry.speculative["accepted"]
     return counts, drafted, accepted
+
+
+def dashboard_pack(root: Path) -> Path:
+    """A tiny synthetic Qwen3-MoE pack with enough experts for the dashboard's heatmap to show
+    something (8 layers x 32 experts, top-4, skewed routing); no transformers needed."""
+    from mawforge.fixtures.synth import synth
+    from mawforge.pack.packer import pack
+    out = root / "dash.pack"
+    g = synth(root / "dash.gguf", 8, quant="Q8_0", vocab=2000, skew=1.0, stickiness=0.3, report=False,
+              progress=False, hidden=256, n_head=4, n_head_kv=2, head_dim=64, n_expert=32, n_expert_used=4,
+              expert_ff=256)
+    pack(g, out, layout="exact", progress=False)
+    return out

@@ -135,13 +135,23 @@ def test_guard_trip_marks_the_rows(q8, tmp_path):
     assert row["memory"]["guard_tripped"] and check_tree(tmp_path) == []
 
 
+def test_cells_refuse_plainly_when_no_memory_cgroup_can_be_made(q8, tmp_path, monkeypatch):
+    """Without a writable cgroup v1 memory controller (not root, cgroup v2, a container) a cell
+    with a memory limit is refused with a one-line reason, not run unlimited. Simulated here by
+    pointing this process's group at a path under a regular file, so it runs on every host."""
+    spec = small_spec(*q8, prompt_classes=["code"], memory_limit_gib=1.0,
+                      models=[{"id": "q8", "baselines": [{"engine": "llama_cpp_nommap", "source": str(q8[1])}]}])
+    blocker = tmp_path / "not-a-cgroup"
+    blocker.write_text("")
+    monkeypatch.setattr(cgroup, "own_group", lambda root=cgroup.ROOT: blocker / "memory")
+    with pytest.raises(MawError, match="cannot create a memory cgroup"):
+        bench(spec, tmp_path / "run", log=lambda m: None, report=False)
+
+
+@pytest.mark.skipif(not cgroup.available(), reason="needs a writable cgroup v1 memory controller (root)")
 def test_cells_run_inside_a_cgroup_limit(q8, tmp_path):
     spec = small_spec(*q8, prompt_classes=["code"], memory_limit_gib=1.0,
                       models=[{"id": "q8", "baselines": [{"engine": "llama_cpp_nommap", "source": str(q8[1])}]}])
-    if not cgroup.available():        # no cgroup v1 or not root: the limit is refused plainly
-        with pytest.raises(MawError, match="cannot create a memory cgroup"):
-            bench(spec, tmp_path, log=lambda m: None, report=False)
-        return
     stale = cgroup.own_group() / f"{cgroup.PREFIX}999999999-0"    # a group left by a crashed run
     stale.mkdir()
     res = bench(spec, tmp_path, log=lambda m: None, report=False)

@@ -19,6 +19,7 @@ from mawforge.formats.config import from_hf_config
 from mawforge.pack.manifest import read_index, read_manifest
 from mawforge.pack.packer import pack
 from mawforge.plan import PackFacts, make_plan
+from bounds import F32_MODEL_ATOL
 
 TOKENS = list(range(3, 43))   # 40 positions, prefilled in chunks of 16 (recurrent state crosses chunks)
 
@@ -69,7 +70,7 @@ def _logits(pack_dir, tokens=TOKENS, **kw) -> torch.Tensor:
 def test_f32_logits_match_transformers(family_root, hf_logits, fam, source):
     # measured max |diff|: qwen3_5_moe 2.4e-6 (hf) / 2.8e-6 (gguf), gemma4 6.1e-6 (both); bound 1e-4
     got = _logits(family_root[fam]["packs"][source], expert_cache_percent=40)
-    torch.testing.assert_close(got, hf_logits[fam], rtol=0, atol=1e-4)
+    torch.testing.assert_close(got, hf_logits[fam], rtol=0, atol=F32_MODEL_ATOL)
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
@@ -187,6 +188,6 @@ def test_mtp_block_is_packed_and_drafts_like_the_reference(tmp_path):
         with torch.inference_mode():
             h = m.hidden(torch.tensor(ids), 0, rt.kv)
             got = m.mtp_logits(h, torch.tensor(nxt), 0, m.mtp_cache(64))
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+        torch.testing.assert_close(got, want, rtol=0, atol=F32_MODEL_ATOL)
     finally:
         rt.close()

@@ -22,6 +22,7 @@ from mawforge.fixtures.tiny import load_hf as load_ds_hf
 from mawforge.pack.manifest import read_index, read_manifest
 from mawforge.pack.packer import pack
 from mawforge.plan import PackFacts, make_plan
+from bounds import F32_MODEL_ATOL, F32_SAME_OPS_ATOL
 
 PROMPT = list(range(3, 23))
 SOURCES = {   # pack name -> (family, source); "hf" directories carry the MTP layer, GGUFs are made from them
@@ -145,7 +146,7 @@ def test_mtp_step_matches_the_reference(made, name):
         with torch.inference_mode():
             h = m.hidden(torch.tensor(ids), 0, rt.kv)
             _, got = m.mtp_step(h, torch.tensor(nxt), 0, m.mtp_cache(64))
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+        torch.testing.assert_close(got, want, rtol=0, atol=F32_MODEL_ATOL)
     finally:
         rt.close()
 
@@ -214,7 +215,7 @@ def test_mtp_kv_follows_the_accepted_tokens(made, name, monkeypatch):
         for live, ref in ((state.kv.k[L], fresh.k[L]), (state.kv.v[L], fresh.v[L])):
             if ref is not None:
                 torch.testing.assert_close(live[..., :n, :] if live.dim() == 3 else live[:n],
-                                           ref[..., :n, :] if ref.dim() == 3 else ref[:n], rtol=0, atol=1e-4)
+                                           ref[..., :n, :] if ref.dim() == 3 else ref[:n], rtol=0, atol=F32_MODEL_ATOL)
     finally:
         sp.close()
         rt.close()
@@ -267,8 +268,8 @@ def test_recurrent_rollback_restores_the_state_of_the_accepted_prefix(made):
             assert spec.kv.pos == plain.kv.pos == pos + min(m, 5)
             for a, b in zip(spec.kv.state, plain.kv.state):
                 for x, y in zip(a or (), b or ()):
-                    torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
-            torch.testing.assert_close(spec.forward([42]), plain.forward([42]), rtol=0, atol=1e-4)
+                    torch.testing.assert_close(x, y, rtol=0, atol=F32_SAME_OPS_ATOL)
+            torch.testing.assert_close(spec.forward([42]), plain.forward([42]), rtol=0, atol=F32_MODEL_ATOL)
         assert spec.kv.rollback_bytes == sum(t.nbytes for s in spec.kv.state if s for t in s)
     finally:
         spec.close()

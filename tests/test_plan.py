@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from helpers import run_cli
+from helpers import needs_proc_rss, run_cli
 from mawforge.errors import BudgetRejected, FormatError
 from mawforge.plan import GiB, PackFacts, kv_bytes, make_plan
 
@@ -59,9 +59,13 @@ def test_cli_table_json_and_exit_code(packs):
     assert r.returncode == BudgetRejected.exit_code and d["feasible"] is False and d["reason"]
 
 
+@needs_proc_rss
 @pytest.mark.parametrize("source", ["Q4_K_M", "F32"])
 def test_planned_footprint_is_within_ten_percent_of_measured_peak_rss(packs, source):
-    """A fresh process runs one generation; its telemetry carries the planned F and the peak RSS."""
+    """A fresh process runs one generation; its telemetry carries the planned F and the peak RSS.
+    Bound: F is what the planner promises a run will peak at, and the README states it to
+    within 10% (O counts the process's own libraries, scratch and objects, not a CPU-specific
+    figure); measured 0.98-0.998 in the benchmarks on both AMD EPYC and Intel Xeon."""
     pack = str(packs[("qwen2_moe", source)])
     r = subprocess.run([sys.executable, "-m", "mawforge.cli", "run", "--pack", pack, "--context", "512",
                         "--expert-cache-percent", "50", "--max-tokens", "16", "--threads", "1",

@@ -16,6 +16,7 @@ from mawforge.fixtures.llama_ref import llama_logits
 from mawforge.fixtures.tiny import load_hf
 from mawforge.formats.names import hf_common
 from mawforge.pack.manifest import EXPERTS, read_index
+from bounds import DEQUANT_FLOOR, DEQUANT_SPREAD_FACTOR, F32_MODEL_ATOL
 
 TOKENS = list(range(3, 43))   # 40 positions
 
@@ -51,7 +52,7 @@ def hf_logits(fixtures_root):
 def test_f32_logits_match_transformers(packs, hf_logits, arch, source):
     # measured max |diff| 3e-6 .. 5e-6 for all four architectures; the bound is 1e-4
     got = _logits(packs[(arch, source)], expert_cache_percent=30)
-    torch.testing.assert_close(got, hf_logits[arch], rtol=0, atol=1e-4)
+    torch.testing.assert_close(got, hf_logits[arch], rtol=0, atol=F32_MODEL_ATOL)
 
 
 def _dequantized_reference(fixtures_root, arch, ftype):
@@ -95,10 +96,16 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-# Bound on the per-position max |logit diff| against the float32 dequantized reference (logits
-# ~6): int4pack computes with bf16 activations and scales; the exact layout quantizes activations
-# to q8 per block as llama.cpp does.
-DEQUANT_BOUND = {"int4pack": 0.1, "exact": 0.15}
+_llama_dev: dict = {}
+
+
+def _llama_deviation(fixtures_root, arch, ftype, ref) -> torch.Tensor:
+    """Per position, max |logit diff| of llama.cpp on the same GGUF from the same float32
+    dequantized reference: the spread a trusted q8-activation engine shows on these weights."""
+    if (arch, ftype) not in _llama_dev:
+        got = torch.from_numpy(llama_logits(fixtures_root[arch]["gguf"][ftype], TOKENS, n_ctx=64)).float()
+        _llama_dev[(arch, ftype)] = (got - ref).abs().max(-1).values
+    return _llama_dev[(arch, ftype)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -106,15 +113,20 @@ DEQUANT_BOUND = {"int4pack": 0.1, "exact": 0.15}
 @pytest.mark.parametrize("layout", ["exact", "int4pack"])
 def test_quantized_packs_match_a_dequantized_reference(fixtures_root, packs, arch, ftype, layout):
     """Against transformers on the dequantized GGUF weights, per position (max over the vocab).
-    Measured medians: int4pack 0.024-0.068, exact 0.052-0.093; 95th percentiles 0.032-0.098
-    and 0.069-0.115. One or two of the 40 positions may sit at an expert-routing near-tie,
-    where the rounding picks the other expert (measured up to 0.78 there): so the 95th
-    percentile must be below the bound, and the top-1 must agree at >= 97% of the positions
-    where the reference's top-2 margin exceeds the bound."""
-    bound = DEQUANT_BOUND[layout]
+    Only activation rounding differs (q8 per block for exact, as llama.cpp; bfloat16 for
+    int4pack). The bound on the 95th percentile is derived in tests/bounds.py: llama.cpp's own
+    95th percentile from the same reference on the same positions times DEQUANT_SPREAD_FACTOR,
+    and never below DEQUANT_FLOOR. One or two of the 40 positions may sit at an expert-routing
+    near-tie, where a rounding picks the other expert (measured up to 0.78 there), hence a
+    percentile; the top-1 must agree at >= 97% of the positions whose reference top-2 margin
+    exceeds the bound (at most one of those ~13+ positions may flip)."""
     ref = _dequantized_reference(fixtures_root, arch, ftype)
+    own = _llama_deviation(fixtures_root, arch, ftype, ref).quantile(0.95).item()
+    bound = max(DEQUANT_FLOOR, DEQUANT_SPREAD_FACTOR * own)
     got = _logits(packs[(arch, ftype, layout)])
     per = (got - ref).abs().max(-1).values                                          # [T]
+    print(f"{arch} {ftype} {layout}: p95 {per.quantile(0.95).item():.4f} "
+          f"(llama.cpp p95 {own:.4f}, bound {bound:.4f})")
     assert per.quantile(0.95).item() < bound
     top2 = ref.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) >= bound
@@ -135,8 +147,9 @@ def test_teacher_forced_agreement_with_llama_cpp(fixtures_root, packs, arch, fty
     ~0.05 of logit, and these random tiny models are full of near-ties. llama.cpp does not
     agree with itself more closely: its own batched and one-token-at-a-time evaluations of the
     same file agree on 96.7-99.7% of positions. So the test asserts agreement within 0.03 of
-    llama.cpp's self-agreement, >= 95% overall, and >= 99% where llama.cpp's top-2 margin is
-    at least 0.1."""
+    llama.cpp's self-agreement (the binomial spread of a rate near 0.97 over 300 positions is
+    sqrt(0.97·0.03/300) ≈ 0.01: 3 sigma), >= 95% overall, and >= 99% where llama.cpp's top-2
+    margin is at least 0.1 (twice the ~0.05 drift, so a drift alone cannot flip those)."""
     rng = np.random.default_rng(0)
     tokens = [int(x) for x in rng.integers(5, 1000, 300)]
     gguf = fixtures_root[arch]["gguf"][ftype]
@@ -182,7 +195,12 @@ def test_cache_is_transparent_across_policies_and_budgets(packs, source):
             assert stats["peak_held_bytes"] <= stats["capacity_bytes"]
             assert stats["hits"] + stats["misses"] > 0
     got, stats, _ = _greedy(pack, expert_cache_percent=40, prefetch="confidence:0.2")
-    assert got == want and stats["prefetch_issued"] >= 0
+    # prefetch ran (the routers of this model give top-2 weights >= 0.2), went through the same
+    # byte budget, and each prefetched block was either used, evicted unused, or is still waiting
+    assert got == want and stats["prefetch_issued"] > 0
+    assert stats["prefetch_issued_bytes"] == (stats["prefetch_useful_bytes"] + stats["prefetch_wasted_bytes"]
+                                              + stats["prefetch_pending_bytes"])
+    assert stats["peak_held_bytes"] <= stats["capacity_bytes"]
     got, _, _ = _greedy(pack, expert_cache_percent=40, lookahead=True)
     assert got == want
 
@@ -277,3 +295,34 @@ def test_telemetry_is_consistent(packs):
     assert t.hits + t.misses == stats["hits"] + stats["misses"]
     assert 0 <= t.hit_rate <= 1 and t.kv_cache_bytes > 0 and t.resident_common_bytes > 0
     assert t.peak_rss_bytes > 0 and t.pack_digest and t.ttft_s > 0
+
+
+def test_stall_meter_counts_tokens_and_nearest_rank_percentiles():
+    from mawforge.telemetry import StallMeter
+    m = StallMeter()
+    assert m.summary() == (0.0, 0.0, 0.0)
+    for wait, toks in ((0.0, 1), (0.004, 3), (0.0, 1), (0.001, 1), (0.002, 2)):
+        m.record(wait, toks)
+    assert m.summary() == (6 / 8, 0.002, 0.004)          # waits 1, 2, 4 ms; 6 of 8 tokens waited
+
+
+def test_read_stalls_in_telemetry_follow_the_reads(packs):
+    """At the smallest cache decode steps miss, so tokens wait on reads; with the whole model
+    resident after a first request, the same request reads nothing and nothing waits."""
+    pack = packs[("qwen3_moe", "Q4_K_M")]
+    index = read_index(pack)
+    minimum = max(-(-lb.block_nbytes // 4096) * 4096 for lb in index.layers) * 2
+    _, stats, t = _greedy(pack, expert_cache_gib=minimum / 2**30)
+    assert t.misses > 0 and 0 < t.decode_stall_token_share <= 1
+    assert 0 < t.decode_stall_p50_s <= t.decode_stall_p95_s
+    assert "read stalls" in t.line() and t.to_dict()["decode_stall_p95_s"] == t.decode_stall_p95_s
+    rt = _runtime(pack, expert_cache_percent=100)
+    try:
+        ids = rt.tokenizer.encode("The expert cache keeps what the router asks for")
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        first = list(generate(rt, ids, params))[-1].telemetry
+        again = list(generate(rt, ids, params))[-1].telemetry
+    finally:
+        rt.close()
+    assert first.misses > 0 and again.misses == 0
+    assert (again.decode_stall_token_share, again.decode_stall_p50_s, again.decode_stall_p95_s) == (0.0, 0.0, 0.0)

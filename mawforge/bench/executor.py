@@ -49,7 +49,9 @@ class MawForgeEngine(Engine, name="mawforge"):
         cmd = [sys.executable, "-m", "mawforge.cli", "serve", "--pack", job.source, "--model-id", job.model,
                "--host", "127.0.0.1", "--port", "0", "--context", str(job.context),
                "--expert-cache-percent", f"{job.cache_percent:g}", "--max-tokens-default", str(job.max_tokens),
-               "--no-speculative", "--telemetry-log", str(telemetry_log)]
+               "--no-speculative", "--no-dashboard", "--telemetry-log", str(telemetry_log)]
+        # the dashboard's kept route traces (up to 12 MiB) are not in the plan's O: a bench cell
+        # compares peak RSS with F, so it serves without them
         if job.budget_gib is not None:
             cmd += ["--memory-budget-gib", f"{job.budget_gib:g}"]
         if job.threads:

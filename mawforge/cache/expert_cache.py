@@ -225,6 +225,11 @@ class ExpertCache:
         """Live-only prefetch (e.g. next-layer router lookahead), through the same budget."""
         self._run_prefetch(self.driver.prefetch(keys))
 
+    def read_wait_seconds(self) -> float:
+        """Wall time the compute has waited on expert reads so far: demand loads of misses plus
+        prefetches that had not arrived. Cheap (two floats): read around every decode step."""
+        return self.load_seconds + self.prefetch_stall_seconds
+
     def stats(self) -> dict:
         s = self.core.stats().to_dict()
         s.update(capacity_bytes=self.capacity, held_bytes=self.held, peak_held_bytes=self.peak_held,

@@ -15,7 +15,7 @@ from mawforge.engine.sampling import Sampler, SamplingParams
 from mawforge.engine.speculative import PlainDecoder
 from mawforge.engine.tokenizer import Detokenizer
 from mawforge.errors import RequestError
-from mawforge.telemetry import Telemetry, peak_rss_bytes, rss_bytes
+from mawforge.telemetry import StallMeter, Telemetry, peak_rss_bytes, rss_bytes
 
 
 @dataclass
@@ -79,6 +79,7 @@ def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
     rt.reset()
     logits = rt.forward(prompt)[-1]
     decoder = speculative.decoder(prompt, params, sampler) if speculative is not None else PlainDecoder(rt, sampler)
+    stalls = StallMeter()
     try:
         context = list(prompt)
         batch = [sampler.sample(logits)]
@@ -107,6 +108,7 @@ def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
                         text += scan.flush()
                     decoder.finish(used)
                     tele = _telemetry(rt, len(prompt), n, t0, t_first, before, emb_before, reason)
+                    tele.set_stalls(stalls)
                     tele.speculative = decoder.report() or tele.speculative
                     tele.planned_draft_bytes = tele.speculative.get("draft", {}).get("planned_bytes", 0)
                     tele.planned_footprint_bytes += tele.planned_draft_bytes
@@ -114,7 +116,9 @@ def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
                     return
                 yield Event(tok, text)
             # a step may return up to `room` tokens: the request's remainder and the free KV positions
+            waited = rt.cache.read_wait_seconds()
             batch = decoder.step(context, min(params.max_tokens - n, rt.opts.context - rt.kv.pos))
+            stalls.record(rt.cache.read_wait_seconds() - waited, len(batch))
     finally:
         decoder.close()
 

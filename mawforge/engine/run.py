@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from mawforge.plan import add_budget_arguments
@@ -46,6 +47,46 @@ def make_recorder(a: argparse.Namespace):
                          model=c.arch, pack_digest=man.pack_digest)
 
 
+class PrefillProgress:
+    """Prefill progress for a prompt longer than one chunk: tokens done and expert bytes read,
+    as a tqdm bar on stderr, only when stderr is a terminal (piped output gets nothing extra).
+    Installed as Runtime.on_chunk; the bar goes away when the prompt is done."""
+
+    def __init__(self, rt, stream=None):
+        self.rt, self.stream, self.bar = rt, stream or sys.stderr, None
+        s = rt.cache.stats()
+        self.read0 = s["materialized_bytes"] + s["prefetch_issued_bytes"]
+
+    @classmethod
+    def install(cls, rt, stream=None) -> "PrefillProgress | None":
+        stream = stream or sys.stderr
+        if not stream.isatty():
+            return None
+        rt.on_chunk = progress = cls(rt, stream)
+        return progress
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            from tqdm import tqdm
+            try:           # a terminal that reports no size (a bare pty) gets 80 x 24: tqdm hides
+                size = os.get_terminal_size(self.stream.fileno())     # its bar below 0 rows
+            except OSError:
+                size = os.terminal_size((0, 0))
+            self.bar = tqdm(total=total, unit="tok", desc="prefill", file=self.stream, leave=False,
+                            mininterval=0, ncols=size.columns or 80, nrows=size.lines or 24)
+        s = self.rt.cache.stats()
+        read = s["materialized_bytes"] + s["prefetch_issued_bytes"] - self.read0
+        self.bar.n = done
+        self.bar.set_postfix_str(f"read {read / 2**20:.1f} MiB")      # draws the bar
+        if done >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_runtime_arguments(p)
     p.add_argument("prompt")
@@ -78,7 +119,11 @@ def main(a: argparse.Namespace) -> int:
         spec = speculator_from_args(rt, a)
         text = rt.tokenizer.chat.render([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
         ids = rt.tokenizer.encode(text)
+        progress = PrefillProgress.install(rt)
         for ev in generate(rt, ids, params, speculative=spec):
+            if progress is not None:      # prefill is over once a token arrives
+                progress.close()
+                rt.on_chunk = progress = None
             sys.stdout.write(ev.text)
             sys.stdout.flush()
             if ev.telemetry is not None:

@@ -75,6 +75,9 @@ class Runtime:
         self.model = model_class(self.cfg.arch)(self.cfg, self.weights, self.cache, self.device)
         if opts.lookahead:
             self.model.router_hook = self._lookahead
+        # called (tokens done, tokens in all) after each chunk of a run longer than one chunk:
+        # `mawforge run` draws prefill progress with it on a terminal
+        self.on_chunk = None
 
     def _lookahead(self, layer: int, x: torch.Tensor) -> None:
         """Apply layer+1's router to layer's FFN input and prefetch what it would pick."""
@@ -106,6 +109,8 @@ class Runtime:
                 self.kv.commit(len(chunk))
                 self.cache.end_step()
                 outs.append(logits)
+                if self.on_chunk is not None and len(tokens) > step:
+                    self.on_chunk(i + len(chunk), len(tokens))
         return torch.cat(outs) if all_logits else outs[-1]
 
     def close(self) -> None:

@@ -19,6 +19,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Testing hook (serve --allow-forced-output): these tokens are emitted in order instead of
+    # sampled ones, while the model still runs every step, so the whole path is real but the text.
+    forced_tokens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -41,6 +44,7 @@ class Sampler:
     def __post_init__(self) -> None:
         self.gen = torch.Generator()
         self.gen.manual_seed(self.params.seed if self.params.seed is not None else torch.seed())
+        self.n_forced = 0
 
     @property
     def greedy(self) -> bool:
@@ -68,6 +72,9 @@ class Sampler:
         return probs / probs.sum()
 
     def sample(self, logits: torch.Tensor) -> int:
+        if self.n_forced < len(self.params.forced_tokens):
+            self.n_forced += 1
+            return self.params.forced_tokens[self.n_forced - 1]
         if self.greedy:
             return int(torch.argmax(logits))
         return int(torch.multinomial(self.probs(logits), 1, generator=self.gen))

@@ -1,94 +1,120 @@
-"""Tokenizers from the pack: HF tokenizer.json, or GGUF metadata (gpt2-style byte-level BPE and
-llama SentencePiece vocabularies) rebuilt as a `tokenizers` object; chat templates via jinja2."""
+"""Tokenizers from the pack: HF tokenizer.json through `tokenizers`, or GGUF metadata through
+llama_vocab.GgufVocab (llama.cpp's own algorithm, exact on its test vectors); chat templates live in
+engine/chat.py."""
 from __future__ import annotations
 
+import codecs
 import json
-from datetime import datetime
 from pathlib import Path
 
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer
 
-from mawforge.errors import FormatError, RequestError
-
-# Used when the model carries no chat template (documented in docs/telemetry.md and README).
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-# llama.cpp pre-tokenizer names -> split regex (from llama-vocab.cpp).
-_PRE_REGEX = {
-    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    "llama3": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-}
-_CONTROL, _USER_DEFINED = 3, 4
+from mawforge.engine.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate  # noqa: F401  (re-exported: the old home)
+from mawforge.engine.llama_vocab import GgufVocab
+from mawforge.errors import FormatError
 
 
-class ChatTemplate:
-    def __init__(self, source: str | None, bos: str = "", eos: str = ""):
-        self.source = source or DEFAULT_CHAT_TEMPLATE
-        self.is_default = source is None
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        try:
-            self.tpl = env.from_string(self.source)
-        except Exception as e:   # jinja2 TemplateSyntaxError and friends
-            raise FormatError(f"the model's chat template does not parse: {e}") from None
-        self.bos, self.eos = bos, eos
+class HfVocab:
+    """A tokenizer.json through `tokenizers`, behind the interface GgufVocab offers."""
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        try:
-            return self.tpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   bos_token=self.bos, eos_token=self.eos)
-        except RequestError:
-            raise
-        except Exception as e:
-            raise RequestError(f"chat template failed on these messages: {e}") from None
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
 
+    def encode(self, text: str, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        if self.tok.encode_special_tokens == parse_special:
+            self.tok.encode_special_tokens = not parse_special
+        return self.tok.encode(text, add_special_tokens=add_special).ids
 
-def _raise(msg: str):
-    raise RequestError(msg)
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.tok.id_to_token(i)
+
+    def token_to_id(self, text: str) -> int | None:
+        return self.tok.token_to_id(text)
+
+    def get_vocab(self, with_added_tokens: bool = True) -> dict[str, int]:
+        return self.tok.get_vocab(with_added_tokens=with_added_tokens)
+
+    def get_vocab_size(self, with_added_tokens: bool = True) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=with_added_tokens)
 
 
 class TextTokenizer:
-    def __init__(self, tok: Tokenizer, bos_id: int | None, eos_ids: set[int], add_bos: bool,
-                 chat_template: str | None):
+    """The engine's tokenizer: a vocabulary (GgufVocab or HfVocab), its BOS/EOS policy and chat template.
+    `eos_ids` is every id that ends generation (llama.cpp's EOG set for GGUF, eos_token plus
+    generation_config's eos_token_id list for HF)."""
+
+    def __init__(self, tok: GgufVocab | HfVocab, bos_id: int | None, eos_ids: set[int], add_bos: bool,
+                 chat_template: str | None, eos_id: int | None = None):
         self.tok, self.bos_id, self.eos_ids, self.add_bos = tok, bos_id, eos_ids, add_bos
         bos = tok.id_to_token(bos_id) if bos_id is not None else ""
-        eos = tok.id_to_token(min(eos_ids)) if eos_ids else ""
+        # the template's eos_token is the vocabulary's EOS, not any id that ends generation
+        eos_id = eos_id if eos_id is not None else min(eos_ids) if eos_ids else None
+        eos = tok.id_to_token(eos_id) if eos_id is not None else ""
         self.chat = ChatTemplate(chat_template, bos or "", eos or "")
+        # does the vocabulary itself put BOS first (llama.cpp's add_bos, a tokenizer.json post-processor)?
+        self.auto_bos = bos_id is not None and tok.encode("", add_special=True, parse_special=False)[:1] == [bos_id]
 
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special: bool = True) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=False).ids
-        if add_special and self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
-            ids = [self.bos_id] + ids
+    def get_vocab(self) -> dict[str, int]:
+        return self.tok.get_vocab(with_added_tokens=True)
+
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """add_special: BOS/EOS as the vocabulary asks (llama.cpp's add_bos/add_eos, or tokenizer.json's
+        post-processor and add_bos_token), one BOS only when the text already starts with it, as
+        rendered chat templates do; parse_special: special-token text becomes its id."""
+        ids = self.tok.encode(text, add_special=add_special, parse_special=parse_special)
+        if add_special and self.bos_id is not None:
+            if self.auto_bos:
+                if len(ids) >= 2 and ids[1] == self.bos_id:       # the text began with BOS
+                    ids = ids[1:]
+            elif self.add_bos and ids[:1] != [self.bos_id]:       # add_bos_token, no post-processor
+                ids = [self.bos_id] + ids
         return ids
 
     def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=False)
+        return self.tok.decode(ids)
 
     def token_id(self, text: str) -> int | None:
         return self.tok.token_to_id(text)
 
 
 class Detokenizer:
-    """Incremental decoding that never emits half a UTF-8 character."""
+    """Incremental decoding that never emits half a UTF-8 character. GGUF vocabularies give each
+    token's bytes, fed through an incremental UTF-8 decoder; for tokenizer.json the text of a
+    short window of tokens is decoded and only what follows the window's already-emitted prefix is
+    returned, held back while it ends in an incomplete character (U+FFFD)."""
 
     def __init__(self, tok: TextTokenizer):
-        self.tok, self.ids, self.emitted = tok, [], ""
+        self.tok, self.ids = tok, []
+        self.prefix = self.read = 0
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.vocab = tok.tok if isinstance(tok.tok, GgufVocab) else None
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd"):
+        if self.vocab is not None:
+            piece = self.vocab.piece(token)
+            if len(self.ids) == 1 and self.vocab.add_space_prefix and piece.startswith(b" "):
+                piece = piece[1:]
+            return self.utf8.decode(piece)
+        seen = self.tok.decode(self.ids[self.prefix:self.read])
+        text = self.tok.decode(self.ids[self.prefix:])
+        if len(text) <= len(seen) or text.endswith("\ufffd"):
             return ""
-        delta, self.emitted = text[len(self.emitted):], text
-        return delta
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(seen):]
+
+    def flush(self) -> str:
+        """What is held back at the end of a stream (an incomplete character becomes U+FFFD)."""
+        if self.vocab is not None:
+            return self.utf8.decode(b"", final=True)
+        return self.tok.decode(self.ids[self.prefix:])[len(self.tok.decode(self.ids[self.prefix:self.read])):]
 
 
 def load_tokenizer(pack: Path, info: dict) -> TextTokenizer:
@@ -104,9 +130,18 @@ def _from_hf(pack: Path) -> TextTokenizer:
     path = pack / "tokenizer.json"
     if not path.exists():
         raise FormatError(f"{pack}: no tokenizer.json in the pack")
-    tok = Tokenizer.from_file(str(path))
-    cfg = json.loads((pack / "tokenizer_config.json").read_text()) if (pack / "tokenizer_config.json").exists() else {}
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:               # the tokenizers library's own parse errors
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise FormatError(f"{path.name} in the pack does not load: {why}") from None
+    cfg = _json(pack / "tokenizer_config.json")
     template = cfg.get("chat_template")
+    if isinstance(template, list):       # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    if (pack / "chat_template.json").exists():
+        template = _json(pack / "chat_template.json").get("chat_template", template)
     if (pack / "chat_template.jinja").exists():
         template = (pack / "chat_template.jinja").read_text()
 
@@ -115,59 +150,26 @@ def _from_hf(pack: Path) -> TextTokenizer:
         v = v.get("content") if isinstance(v, dict) else v
         return tok.token_to_id(v) if v else None
 
-    eos = {i for i in (tid("eos_token"),) if i is not None}
-    gen = pack / "generation_config.json"
-    if gen.exists():
-        e = json.loads(gen.read_text()).get("eos_token_id")
-        eos |= set(e if isinstance(e, list) else [e] if e is not None else [])
+    eos_id = tid("eos_token")
+    eos = {i for i in (eos_id,) if i is not None}
+    e = _json(pack / "generation_config.json").get("eos_token_id")
+    eos |= set(e if isinstance(e, list) else [e] if e is not None else [])
     bos = tid("bos_token")
-    return TextTokenizer(tok, bos, eos, bool(cfg.get("add_bos_token", False)) and bos is not None, template)
+    return TextTokenizer(HfVocab(tok), bos, eos, bool(cfg.get("add_bos_token", False)) and bos is not None, template,
+                         eos_id)
+
+
+def _json(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise FormatError(f"{path.name} in the pack is not valid JSON") from None
+    return d if isinstance(d, dict) else {}
 
 
 def from_gguf_metadata(meta: dict) -> TextTokenizer:
-    kind = meta.get("tokenizer.ggml.model")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    if not tokens:
-        raise FormatError("GGUF has no tokenizer.ggml.tokens")
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    vocab = {t: i for i, t in enumerate(tokens)}
-    if kind == "gpt2":
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-        tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=False))
-        regex = _PRE_REGEX.get(meta.get("tokenizer.ggml.pre", ""))
-        bl = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=regex is None)
-        tok.pre_tokenizer = bl if regex is None else pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(regex), behavior="isolated"), bl])
-        tok.decoder = decoders.ByteLevel()
-        add_bos_default = False
-    elif kind == "llama":
-        tok = _spm_tokenizer(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens), types)
-        add_bos_default = True
-    else:
-        raise FormatError(f"GGUF tokenizer model {kind!r} is not supported (gpt2, llama)")
-    special = [AddedToken(t, special=True, normalized=False)
-               for t, ty in zip(tokens, types) if ty in (_CONTROL, _USER_DEFINED)]
-    tok.add_special_tokens(special)
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    eos = {meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta}
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)) and bos is not None
-    return TextTokenizer(tok, bos, eos, add_bos, meta.get("tokenizer.chat_template"))
-
-
-def _spm_tokenizer(tokens: list[str], scores: list[float], types: list[int]) -> Tokenizer:
-    """SentencePiece BPE as HF's LlamaConverter builds it: merges ranked by the merged piece's score."""
-    vocab = {t: i for i, t in enumerate(tokens)}
-    merges = []
-    for piece, score in sorted(((t, s) for t, s, ty in zip(tokens, scores, types) if ty == 1),
-                               key=lambda x: -x[1]):
-        for i in range(1, len(piece)):
-            a, b = piece[:i], piece[i:]
-            if a in vocab and b in vocab:
-                merges.append((vocab[piece], vocab[a], vocab[b], a, b))
-    merges.sort(key=lambda m: (-scores[m[0]], m[1], m[2]))
-    tok = Tokenizer(models.BPE(vocab, [(m[3], m[4]) for m in merges], unk_token=tokens[0] if tokens else None,
-                               fuse_unk=True, byte_fallback=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
-    return tok
+    vocab = GgufVocab(meta)
+    return TextTokenizer(vocab, vocab.bos, set(vocab.eog), vocab.add_bos and vocab.bos is not None,
+                         meta.get("tokenizer.chat_template"), vocab.eos)

@@ -266,7 +266,9 @@ def _write_experts(plan: _Plan, rd: Reader, out: Path, prog: _Progress) -> tuple
 
 def _tokenizer(src: Source, tmp: Path) -> dict:
     if src.kind == "gguf":
-        tok = {k: v for k, v in src.metadata.items() if k.startswith("tokenizer.")}
+        # general.name/architecture too: llama.cpp sets some tokens' strip attributes by model name
+        tok = {k: v for k, v in src.metadata.items()
+               if k.startswith("tokenizer.") or k in ("general.name", "general.architecture")}
         (tmp / "tokenizer.gguf.json").write_text(json.dumps(tok))
         return {"kind": "gguf", "files": ["tokenizer.gguf.json"]}
     for f in src.extra_files:

@@ -2,6 +2,7 @@
 
     GET  /health  /metrics  /v1/models  /v1/models/{id}
     POST /v1/chat/completions  /v1/completions          (stream true/false)
+    GET  /  and /dashboard/...                           the live dashboard (serve/dashboard.py)
 Every answer carries `usage` and `telemetry` (docs/telemetry.md); every request appends one
 line to --telemetry-log. One engine thread serves a bounded FIFO queue (429 when full).
 In-process use (tests, bench):  with ServerThread(build_app(rt, "tiny")) as s: s.url
@@ -16,20 +17,27 @@ import os
 import socket
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from mawforge.engine.chat import ChatTemplate
 from mawforge.engine.generate import validate
 from mawforge.engine.run import add_runtime_arguments, make_recorder, runtime_options
 from mawforge.engine.speculative import add_speculative_arguments, speculator_from_args
 from mawforge.errors import BudgetRejected, MawError, RequestError
 from mawforge.serve import protocol as P
+from mawforge.serve.chatreq import (ChatDefaults, ChatFront, Turn, finish_reason, parse_chat_options, shape_choice,
+                                    stream_chunks)
+from mawforge.serve.servecli import add_chat_arguments, chat_settings
+from mawforge.serve.dashboard import Board
+from mawforge.serve.metrics import Metrics
 from mawforge.serve.worker import Channel, EngineWorker, Failure, Job, Ledger, QueueFull, ShuttingDown
 from mawforge.telemetry import peak_rss_bytes, rss_bytes
 
@@ -51,13 +59,14 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
 
 class Api:
     def __init__(self, rt, model_id: str, worker: EngineWorker, ledger: Ledger, api_key: str | None,
-                 max_tokens_default: int):
+                 max_tokens_default: int, chat: ChatFront, allow_forced_output: bool = False):
         self.rt, self.model_id, self.worker, self.ledger = rt, model_id, worker, ledger
         self.api_key, self.max_tokens_default = api_key, max_tokens_default
+        self.front, self.allow_forced_output = chat, allow_forced_output
         self.created = P.now()
         self.card = {"pack_digest": rt.manifest.pack_digest, "context": rt.opts.context,
-                     "architecture": rt.cfg.arch, "chat_template": "model" if not rt.tokenizer.chat.is_default
-                     else "default (ChatML)"}
+                     "architecture": rt.cfg.arch, "chat_template": "model" if not chat.template.is_default
+                     else "default (ChatML)", "tool_call_format": chat.format.name}
 
     # ---- small endpoints ----
     async def health(self, request: Request) -> JSONResponse:
@@ -66,20 +75,23 @@ class Api:
                              "queue_depth": self.worker.queue_depth, "busy": self.worker.current is not None},
                             status_code=503 if closing else 200)
 
-    async def metrics(self, request: Request) -> PlainTextResponse:
+    async def metrics(self, request: Request) -> Response:
+        body, content_type = self.prometheus.render(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
+
+    def gauges(self) -> dict[str, tuple[float, str]]:
         p = self.rt.plan
-        gauges = {"queue_depth": (self.worker.queue_depth, "requests waiting for the engine"),
-                  "busy": (int(self.worker.current is not None), "1 while a generation runs"),
-                  "queue_capacity": (self.worker.q.maxsize, "--queue-size"),
-                  "context_tokens": (self.rt.opts.context, "KV cache length"),
-                  "expert_cache_bytes": (p.E, "expert cache budget E"),
-                  "kv_cache_bytes": (p.K, "KV cache bytes K"),
-                  "resident_common_bytes": (p.C, "resident common bytes C"),
-                  "planned_footprint_bytes": (p.F, "planned footprint F = C + E + K + O"),
-                  "budget_bytes": (p.budget_bytes or 0, "memory budget (0 = none given)"),
-                  "rss_bytes": (rss_bytes(), "resident set of the server process"),
-                  "peak_rss_bytes": (peak_rss_bytes(), "peak resident set of the server process")}
-        return PlainTextResponse(self.ledger.prometheus(gauges), media_type="text/plain; version=0.0.4")
+        return {"queue_depth": (self.worker.queue_depth, "requests waiting for the engine"),
+                "busy": (int(self.worker.current is not None), "1 while a generation runs"),
+                "queue_capacity": (self.worker.q.maxsize, "--queue-size"),
+                "context_tokens": (self.rt.opts.context, "KV cache length"),
+                "expert_cache_bytes": (p.E, "expert cache budget E"),
+                "kv_cache_bytes": (p.K, "KV cache bytes K"),
+                "resident_common_bytes": (p.C, "resident common bytes C"),
+                "planned_footprint_bytes": (p.F, "planned footprint F = C + E + K + O"),
+                "budget_bytes": (p.budget_bytes or 0, "memory budget (0 = none given)"),
+                "rss_bytes": (rss_bytes(), "resident set of the server process"),
+                "peak_rss_bytes": (peak_rss_bytes(), "peak resident set of the server process")}
 
     async def models(self, request: Request) -> JSONResponse:
         self._auth(request)
@@ -108,10 +120,10 @@ class Api:
     async def completions(self, request: Request):
         return await self._complete("completion", request)
 
-    def _prompt_ids(self, req: P.ApiRequest) -> list[int]:
+    def _prompt_ids(self, req: P.ApiRequest, turn: Turn | None) -> list[int]:
         tok = self.rt.tokenizer
-        if req.kind == "chat":
-            return tok.encode(tok.chat.render(list(req.messages), add_generation_prompt=True))
+        if turn is not None:
+            return tok.encode(turn.prompt)
         if req.prompt is not None:
             return tok.encode(req.prompt)
         vocab = self.rt.cfg.vocab
@@ -120,16 +132,19 @@ class Api:
             raise P.ApiError(400, f"token id {bad[0]} is outside the vocabulary of {vocab}", param="prompt")
         return list(req.prompt_ids)
 
-    def _admit(self, kind: str, rid: str, raw: bytes, request: Request) -> tuple[P.ApiRequest, Job]:
+    def _admit(self, kind: str, rid: str, raw: bytes, request: Request) -> tuple[P.ApiRequest, Job, Turn | None]:
         self._auth(request)
-        req = P.parse_request(kind, P.parse_body(raw), self.model_id, self.max_tokens_default)
+        body = P.parse_body(raw)
+        req = P.parse_request(kind, body, self.model_id, self.max_tokens_default)
+        turn = self.front.prepare(parse_chat_options(body, req.messages)) if kind == "chat" else None
         try:
-            ids = self._prompt_ids(req)
+            ids = self._prompt_ids(req, turn)
             validate(self.rt, ids, req.params)
         except RequestError as e:
             code = "context_length_exceeded" if "context" in str(e) else None
             raise P.ApiError(400, str(e), param="messages" if kind == "chat" else "prompt", code=code) from None
-        job = Job(rid, req.endpoint, ids, req.params, Channel(), stream=req.stream, speculative=req.speculative)
+        params, spec = self._forced(body, req)
+        job = Job(rid, req.endpoint, ids, params, Channel(), stream=req.stream, speculative=spec)
         try:
             self.worker.submit(job)
         except QueueFull as e:
@@ -137,12 +152,27 @@ class Api:
                              headers={"Retry-After": str(e.retry_after_s)}) from None
         except ShuttingDown as e:
             raise P.ApiError(503, str(e), type="server_error", code="shutting_down") from None
-        return req, job
+        return req, job, turn
+
+    def _forced(self, body: dict, req: P.ApiRequest):
+        """The testing hook: `forced_output` (text) becomes the generated tokens, then EOS.
+        Only a server started with --allow-forced-output accepts it; speculation is off for it."""
+        text = body.get("forced_output")
+        if text is None:
+            return req.params, req.speculative
+        if not self.allow_forced_output:
+            raise P.ApiError(400, "forced_output is a testing hook; start the server with --allow-forced-output",
+                             param="forced_output")
+        if not isinstance(text, str) or not text:
+            raise P.ApiError(400, "forced_output must be a non-empty string", param="forced_output")
+        tok = self.rt.tokenizer
+        ids = tok.encode(text, add_special=False) + sorted(tok.eos_ids)[:1]
+        return replace(req.params, forced_tokens=tuple(ids)), "off"
 
     async def _complete(self, kind: str, request: Request):
         rid = P.new_request_id(kind)
         try:
-            req, job = self._admit(kind, rid, await request.body(), request)
+            req, job, turn = self._admit(kind, rid, await request.body(), request)
         except P.ApiError as e:
             self.ledger.record(rid, P.ENDPOINTS[kind], e.status, error=e.message)
             return error_response(e)
@@ -154,15 +184,15 @@ class Api:
                 return error_response(P.ApiError(first.status, first.message, first.type, code=first.code))
             if req.stream:
                 streaming = True                     # from here _sse owns the job and its cancellation
-                return StreamingResponse(self._sse(req, job, rid, first), media_type="text/event-stream",
+                return StreamingResponse(self._sse(req, job, rid, first, turn), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
-            return await self._whole(req, job, rid, first)
+            return await self._whole(req, job, rid, first, turn)
         finally:
             watcher.cancel()                         # StreamingResponse watches for disconnects itself
             if not streaming:
                 job.cancel.set()                     # a no-op when finished; stops it if this task was cancelled
 
-    async def _whole(self, req: P.ApiRequest, job: Job, rid: str, first) -> JSONResponse:
+    async def _whole(self, req: P.ApiRequest, job: Job, rid: str, first, turn: Turn | None) -> JSONResponse:
         parts, ev = [first.text], first
         while ev.finish_reason is None:
             ev = await job.channel.__anext__()
@@ -172,10 +202,13 @@ class Api:
         tel = ev.telemetry
         body = P.response(req.kind, rid, P.now(), self.model_id, "".join(parts), tel.finish_reason,
                           P.usage(tel.prompt_tokens, tel.completion_tokens), tel.to_dict())
+        if turn is not None:
+            shape_choice(body["choices"][0], turn.parser, parts, tel.finish_reason)
         return JSONResponse(body, headers={"X-Request-Id": rid})
 
-    async def _sse(self, req: P.ApiRequest, job: Job, rid: str, first):
-        """One content chunk per generated token (so chunks == completion_tokens), then the finish
+    async def _sse(self, req: P.ApiRequest, job: Job, rid: str, first, turn: Turn | None):
+        """One chunk per generated token (so chunks == completion_tokens; a chat token that
+        completes a tool call adds that call's header and argument chunks), then the finish
         chunk, then the usage chunk if asked; the last chunk before [DONE] carries telemetry."""
         created, kind, model = P.now(), req.kind, self.model_id
         try:
@@ -184,12 +217,18 @@ class Api:
                 if isinstance(ev, Failure):
                     yield P.sse(P.ApiError(ev.status, ev.message, ev.type, code=ev.code).body())
                     break
-                yield P.sse(P.chunk(kind, rid, created, model, text=ev.text, role=role))
+                if turn is None:
+                    yield P.sse(P.chunk(kind, rid, created, model, text=ev.text, role=role))
+                else:
+                    for c in stream_chunks(P.chunk(kind, rid, created, model, text="", role=role), turn.parser,
+                                           ev.text, ev.finish_reason is not None):
+                        yield P.sse(c)
                 role = False
                 if ev.finish_reason is not None:
                     t = ev.telemetry
                     tel, use = t.to_dict(), P.usage(t.prompt_tokens, t.completion_tokens)
-                    yield P.sse(P.chunk(kind, rid, created, model, finish=t.finish_reason,
+                    finish = t.finish_reason if turn is None else finish_reason(t.finish_reason, turn.parser.calls)
+                    yield P.sse(P.chunk(kind, rid, created, model, finish=finish,
                                         telemetry=None if req.include_usage else tel))
                     if req.include_usage:
                         yield P.sse(P.chunk(kind, rid, created, model, use=use, telemetry=tel, choices=False))
@@ -202,22 +241,38 @@ class Api:
 
 def build_app(rt, model_id: str, *, api_key: str | None = None, max_tokens_default: int = 96,
               queue_size: int = 64, telemetry_log: str | None = None, generate_fn=None,
-              close_timeout_s: float | None = 60.0, speculator=None) -> Starlette:
+              close_timeout_s: float | None = 60.0, speculator=None, chat_template: str | None = None,
+              chat_defaults: ChatDefaults | None = None, allow_forced_output: bool = False,
+              dashboard: bool = True) -> Starlette:
     """The ASGI app. The engine thread starts with the app's lifespan and stops with it;
-    the runtime stays the caller's to close. `generate_fn` replaces engine.generate (tests)."""
+    the runtime stays the caller's to close. `generate_fn` replaces engine.generate (tests).
+    `chat_template` replaces the pack's template (--chat-template-file); `allow_forced_output`
+    enables the forced_output testing hook (--allow-forced-output)."""
     ledger = Ledger(telemetry_log)
     kw = {"generate_fn": generate_fn} if generate_fn is not None else {}
     worker = EngineWorker(rt, ledger, queue_size, speculator=speculator, **kw)
-    api = Api(rt, model_id, worker, ledger, api_key, max_tokens_default)
+    chat = rt.tokenizer.chat
+    if chat_template is not None:
+        chat = ChatTemplate(chat_template, chat.bos, chat.eos)
+    api = Api(rt, model_id, worker, ledger, api_key, max_tokens_default,
+              ChatFront(chat, chat_defaults or ChatDefaults()), allow_forced_output)
+    api.prometheus = Metrics(ledger, api.gauges)
+    board = Board(rt, model_id, worker, api_key) if dashboard else None
+    if board is not None:
+        worker.generate = board.wrap(worker.generate)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        if board is not None:
+            board.attach()
         worker.start()
         try:
             yield
         finally:
             await asyncio.to_thread(worker.close, close_timeout_s)
             ledger.close()
+            if board is not None:
+                board.detach()
 
     async def api_error(request, e: P.ApiError):
         return error_response(e)
@@ -233,9 +288,10 @@ def build_app(rt, model_id: str, *, api_key: str | None = None, max_tokens_defau
               Route("/v1/models/{model:path}", api.model),
               Route("/v1/chat/completions", api.chat, methods=["POST"]),
               Route("/v1/completions", api.completions, methods=["POST"])]
+    routes += board.routes() if board is not None else []
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={P.ApiError: api_error, HTTPException: http_error, Exception: crash})
-    app.state.worker, app.state.ledger, app.state.api = worker, ledger, api
+    app.state.worker, app.state.ledger, app.state.api, app.state.board = worker, ledger, api, board
     return app
 
 
@@ -322,12 +378,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-speculative", dest="speculative", action="store_const", const="off",
                    help="plain decoding (the default; same as --speculative off)")
     p.add_argument("--api-key", default=os.environ.get("MAWFORGE_API_KEY"),
-                   help="require Authorization: Bearer KEY on /v1/* (default: $MAWFORGE_API_KEY, else none)")
+                   help="require Authorization: Bearer KEY on /v1/* and the dashboard (default: $MAWFORGE_API_KEY, else none)")
     p.add_argument("--telemetry-log", default=None, help="append one JSON line per request here")
+    p.add_argument("--no-dashboard", dest="dashboard", action="store_false",
+                   help="no live dashboard at / (it is on by default; --api-key guards it too)")
     p.add_argument("--queue-size", type=int, default=64, help="requests that may wait; beyond it 429")
     p.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests may run before they are cancelled")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    add_chat_arguments(p)
 
 
 def main(a: argparse.Namespace) -> int:
@@ -337,6 +396,7 @@ def main(a: argparse.Namespace) -> int:
     from mawforge.engine.speculative import uses_draft_pack
     from mawforge.plan import PackFacts, make_plan, pair_plan_from_args
     opts = runtime_options(a)
+    chat = chat_settings(a)                      # a bad template file or kwargs fail before the model loads
     if uses_draft_pack(a):                       # the draft's L is planned beside the target's
         plan = pair_plan_from_args(a)
         opts = runtime_options(a, plan.draft.L)
@@ -357,9 +417,11 @@ def main(a: argparse.Namespace) -> int:
         spec = speculator_from_args(rt, a)
         model_id = a.model_id or Path(a.pack).resolve().name
         app = build_app(rt, model_id, api_key=a.api_key, max_tokens_default=a.max_tokens_default,
-                        queue_size=a.queue_size, telemetry_log=a.telemetry_log, speculator=spec)
+                        queue_size=a.queue_size, telemetry_log=a.telemetry_log, speculator=spec,
+                        dashboard=a.dashboard, **chat)
         announce = lambda url: print(f"mawforge serve: listening on {url} (model {model_id!r}, context "
-                                     f"{opts.context}, queue {a.queue_size})", file=sys.stderr, flush=True)
+                                     f"{opts.context}, queue {a.queue_size})"
+                                     + (f"; dashboard at {url}/" if a.dashboard else ""), file=sys.stderr, flush=True)
         # uvicorn re-raises SIGTERM after its graceful shutdown; a no-op handler makes that exit 0.
         signal.signal(signal.SIGTERM, lambda *_: None)
         _Server(app, a.log_level, a.shutdown_grace_s, announce).run(sockets=[sock])

@@ -19,7 +19,7 @@ ENDPOINTS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 # Fields we cannot honour: refusing them is better than answering something else than asked.
 _UNSUPPORTED = {
-    "chat": ("tools", "functions", "tool_choice", "function_call", "response_format", "logit_bias"),
+    "chat": ("functions", "function_call", "response_format", "logit_bias"),   # tools: serve/chatreq.py
     "completion": ("suffix", "logit_bias"),
 }
 

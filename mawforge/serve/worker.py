@@ -1,5 +1,5 @@
 """The engine side of the server: ONE worker thread owns the runtime and serves jobs from a
-bounded FIFO queue; a Ledger counts what happened (Prometheus /metrics) and appends one JSON
+bounded FIFO queue; a Ledger counts what happened (read by serve/metrics.py) and appends one JSON
 line per request to the telemetry log.
 
 HTTP handler (event loop)                      worker thread
@@ -96,6 +96,7 @@ class Ledger:
         self.seconds = {"ttft": 0.0, "decode": 0.0, "total": 0.0, "queue": 0.0}
         self.finished = {}
         self.mean_total_s = 0.0        # exponential mean of engine time per request, for Retry-After
+        self.listeners: list[Callable[[dict], None]] = []   # called with each finished telemetry dict
         try:
             self.file = open(log_path, "a", buffering=1) if log_path else None
         except OSError as e:
@@ -120,28 +121,9 @@ class Ledger:
                 self.seconds["queue"] += queue_s
             if self.file is not None:
                 self.file.write(json.dumps(line, separators=(",", ":")) + "\n")
-
-    def prometheus(self, gauges: dict[str, tuple[float, str]]) -> str:
-        """Prometheus text exposition (version 0.0.4): counters from the ledger, then gauges."""
-        out: list[str] = []
-
-        def metric(name: str, kind: str, doc: str, samples: list[tuple[str, float]]) -> None:
-            out.extend([f"# HELP mawforge_{name} {doc}", f"# TYPE mawforge_{name} {kind}"])
-            out.extend(f"mawforge_{name}{labels} {value}" for labels, value in samples)
-
-        with self.lock:
-            metric("requests_total", "counter", "HTTP requests by endpoint and status",
-                   [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in sorted(self.requests.items())])
-            metric("finished_total", "counter", "generations by finish reason",
-                   [(f'{{reason="{r}"}}', n) for r, n in sorted(self.finished.items())])
-            for k, v in self.totals.items():
-                name = f"expert_{k}" if k in ("hits", "misses", "evictions") else k
-                metric(f"{name}_total", "counter", f"sum of telemetry {k} over requests", [("", v)])
-            for k, v in self.seconds.items():
-                metric(f"{k}_seconds_total", "counter", f"sum of {k} time over requests", [("", round(v, 6))])
-        for name, (value, doc) in gauges.items():
-            metric(name, "gauge", doc, [("", value)])
-        return "\n".join(out) + "\n"
+        if telemetry is not None:
+            for listener in self.listeners:
+                listener(telemetry)
 
     def close(self) -> None:
         with self.lock:

@@ -8,9 +8,13 @@ dot product in integers (kquant_gemm.c explains the arithmetic).
   experts cost one Python call instead of a dozen small torch ops per expert.
 
 The C source is compiled on first use with the system's C compiler into a cache directory
-($MAWFORGE_CACHE or ~/.cache/mawforge), keyed by the source, the compiler flags and this CPU's
-feature flags, and loaded with ctypes. Where no compiler is available, or MAWFORGE_NATIVE=0,
-`available()` is False and the callers keep the torch dequantize-and-multiply path.
+($MAWFORGE_CACHE or ~/.cache/mawforge), keyed by the source, the compiler flags, the compiler's
+version and this CPU's feature flags (so a library built on one CPU is never loaded on another),
+and loaded with ctypes. `-march=native` first (the AVX2 path where the CPU has it); if the
+compiler rejects that, the portable `-march=x86-64` build (the same integer arithmetic in plain
+C). Every failed attempt is reported once on stderr with the compiler's own message. Where no
+compiler works, or MAWFORGE_NATIVE=0, `available()` is False, `why_unavailable()` says why, and
+the callers keep the torch dequantize-and-multiply path.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -29,16 +34,25 @@ from gguf import GGMLQuantizationType as T
 
 SOURCE = Path(__file__).with_name("kquant_gemm.c")
 # MAWFORGE_NATIVE_MARCH=x86-64 builds the portable scalar path (tests compare the two)
-FLAGS = ["-O3", f"-march={os.environ.get('MAWFORGE_NATIVE_MARCH', 'native')}", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+MARCHES = [os.environ["MAWFORGE_NATIVE_MARCH"]] if os.environ.get("MAWFORGE_NATIVE_MARCH") else ["native", "x86-64"]
+BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 TYPES = (T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
 # the activation type llama.cpp quantizes x to for each weight type (its "vec_dot_type")
 ACT_BLOCK = {T.Q4_0: 32, T.Q8_0: 32, T.Q4_K: 256, T.Q5_K: 256, T.Q6_K: 256}
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
+_why: str | None = None
 _threads = None
 _P = ctypes.c_void_p
 _I = ctypes.c_int
+_SIGNATURES = (("qgemm", [_I, _P, _I, _I, _P, _I, _P]),
+               ("moe_ffn", [_P, _I, _I, _I, _I, _P, _P, _P, _I, _I, _I, _P, _P, _P, _P]),
+               ("quantize_acts", [_I, _P, _I, _P, _P, _P]),
+               ("supported", [_I]), ("simd_path", []), ("set_threads", [_I]),
+               ("rms_norm_rows", [_P, _I, _I, _P, ctypes.c_float, _P]),
+               ("rope_rows", [_P, _I, _I, _I, _P, _P, _I, _P]))
+_VOID = ("set_threads", "rms_norm_rows", "rope_rows")
 
 
 def _cpu_flags() -> str:
@@ -48,32 +62,67 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _build() -> ctypes.CDLL | None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None or os.environ.get("MAWFORGE_NATIVE", "1") == "0":
-        return None
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("MAWFORGE_CACHE", Path.home() / ".cache" / "mawforge"))
+def _compiler_version(cc: str) -> str:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _report(msg: str) -> None:
+    print(f"[mawforge] native kernels: {msg}", file=sys.stderr, flush=True)
+
+
+def _compile(cc: str, march: str, cache: Path) -> tuple[Path | None, str]:
+    """The cached library for this source, flags, compiler and CPU, compiled if missing.
+    Returns (path, "") or (None, the compiler's message)."""
+    flags = [*BASE_FLAGS, f"-march={march}"]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _compiler_version(cc).encode()
+                         + _cpu_flags().encode()).hexdigest()[:16]
     lib = cache / f"kquant_gemm-{key}.so"
-    if not lib.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            out = Path(tmp) / lib.name
-            r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
-            if r.returncode != 0:
-                return None
-            os.replace(out, lib)       # atomic: a concurrent builder sees all or nothing
-    dll = ctypes.CDLL(str(lib))
-    for name, args in (("qgemm", [_I, _P, _I, _I, _P, _I, _P]),
-                       ("moe_ffn", [_P, _I, _I, _I, _I, _P, _P, _P, _I, _I, _I, _P, _P, _P, _P]),
-                       ("quantize_acts", [_I, _P, _I, _P, _P, _P]),
-                       ("supported", [_I]), ("simd_path", []), ("set_threads", [_I]),
-                       ("rms_norm_rows", [_P, _I, _I, _P, ctypes.c_float, _P]),
-                       ("rope_rows", [_P, _I, _I, _I, _P, _P, _I, _P])):
+    if lib.exists():
+        return lib, ""
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        out = Path(tmp) / lib.name
+        try:
+            r = subprocess.run([cc, *flags, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
+        except OSError as e:
+            return None, f"{cc}: {e}"
+        if r.returncode != 0:
+            return None, (r.stderr or r.stdout).strip()[-2000:]
+        os.replace(out, lib)       # atomic: a concurrent builder sees all or nothing
+    return lib, ""
+
+
+def _build() -> ctypes.CDLL | None:
+    global _why
+    if os.environ.get("MAWFORGE_NATIVE", "1") == "0":
+        _why = "turned off by MAWFORGE_NATIVE=0"
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        _why = "no C compiler found (set CC, or install gcc)"
+        _report(f"{_why}; using the torch dequantize-and-multiply path")
+        return None
+    cache = Path(os.environ.get("MAWFORGE_CACHE", Path.home() / ".cache" / "mawforge"))
+    for march in MARCHES:
+        try:
+            lib, err = _compile(cc, march, cache)
+            if lib is not None:
+                dll = ctypes.CDLL(str(lib))
+                break
+        except OSError as e:       # an unwritable cache, or a library the loader refuses
+            lib, err = None, str(e)
+        _report(f"build with -march={march} failed:\n{err}")
+    else:
+        _why = f"compiling {SOURCE.name} failed with {cc} (-march={', '.join(MARCHES)}); see the messages above"
+        _report(f"{_why}; using the torch dequantize-and-multiply path")
+        return None
+    for name, args in _SIGNATURES:
         f = getattr(dll, name)
         f.argtypes = args
-        f.restype = None if name in ("set_threads", "rms_norm_rows", "rope_rows") else ctypes.c_int
+        f.restype = None if name in _VOID else ctypes.c_int
     return dll
 
 
@@ -84,6 +133,12 @@ def library() -> ctypes.CDLL | None:
             if not _tried:
                 _lib, _tried = _build(), True
     return _lib
+
+
+def why_unavailable() -> str | None:
+    """None when the kernels are loaded, else the reason they are not (said once on stderr)."""
+    library()
+    return _why
 
 
 def available(qtype: T | None = None) -> bool:
