@@ -16,12 +16,13 @@ import os
 import socket
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
@@ -29,6 +30,7 @@ from mawforge.engine.generate import validate
 from mawforge.engine.run import add_runtime_arguments, make_recorder, runtime_options
 from mawforge.engine.speculative import add_speculative_arguments, speculator_from_args
 from mawforge.errors import BudgetRejected, MawError, RequestError
+from mawforge.serve import limits
 from mawforge.serve import protocol as P
 from mawforge.serve.worker import Channel, EngineWorker, Failure, Job, Ledger, QueueFull, ShuttingDown
 from mawforge.telemetry import peak_rss_bytes, rss_bytes
@@ -51,9 +53,12 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
 
 class Api:
     def __init__(self, rt, model_id: str, worker: EngineWorker, ledger: Ledger, api_key: str | None,
-                 max_tokens_default: int):
+                 max_tokens_default: int, max_body_bytes: int = limits.MAX_BODY_BYTES):
         self.rt, self.model_id, self.worker, self.ledger = rt, model_id, worker, ledger
-        self.api_key, self.max_tokens_default = api_key, max_tokens_default
+        self.api_key, self.max_tokens_default, self.max_body_bytes = api_key, max_tokens_default, max_body_bytes
+        # JSON parsing and tokenization run here, off the event loop; two threads bound the CPU
+        # and memory that a burst of large bodies can take from the engine and from /health
+        self.admit_pool = ThreadPoolExecutor(2, thread_name_prefix="mawforge-admit")
         self.created = P.now()
         self.card = {"pack_digest": rt.manifest.pack_digest, "context": rt.opts.context,
                      "architecture": rt.cfg.arch, "chat_template": "model" if not rt.tokenizer.chat.is_default
@@ -120,15 +125,23 @@ class Api:
             raise P.ApiError(400, f"token id {bad[0]} is outside the vocabulary of {vocab}", param="prompt")
         return list(req.prompt_ids)
 
-    def _admit(self, kind: str, rid: str, raw: bytes, request: Request) -> tuple[P.ApiRequest, Job]:
-        self._auth(request)
-        req = P.parse_request(kind, P.parse_body(raw), self.model_id, self.max_tokens_default)
+    def _prepare(self, kind: str, raw: bytes) -> tuple[P.ApiRequest, list[int]]:
+        """Off the event loop: bounded JSON parsing, the request's checks, tokenization."""
+        body = limits.parse_json(raw)
+        req = P.parse_request(kind, body, self.model_id, self.max_tokens_default)
+        req = limits.check_request(req, body, self.rt.opts.context, self.rt.cfg.vocab)
         try:
             ids = self._prompt_ids(req)
             validate(self.rt, ids, req.params)
         except RequestError as e:
             code = "context_length_exceeded" if "context" in str(e) else None
             raise P.ApiError(400, str(e), param="messages" if kind == "chat" else "prompt", code=code) from None
+        return req, ids
+
+    async def _admit(self, kind: str, rid: str, request: Request) -> tuple[P.ApiRequest, Job]:
+        self._auth(request)
+        raw = await limits.read_body(request, self.max_body_bytes)
+        req, ids = await asyncio.get_running_loop().run_in_executor(self.admit_pool, self._prepare, kind, raw)
         job = Job(rid, req.endpoint, ids, req.params, Channel(), stream=req.stream, speculative=req.speculative)
         try:
             self.worker.submit(job)
@@ -142,10 +155,17 @@ class Api:
     async def _complete(self, kind: str, request: Request):
         rid = P.new_request_id(kind)
         try:
-            req, job = self._admit(kind, rid, await request.body(), request)
+            req, job = await self._admit(kind, rid, request)
         except P.ApiError as e:
             self.ledger.record(rid, P.ENDPOINTS[kind], e.status, error=e.message)
             return error_response(e)
+        except ClientDisconnect:             # gone while sending the body: counted, nobody to answer
+            self.ledger.record(rid, P.ENDPOINTS[kind], 499, error="client disconnected while sending the body")
+            return error_response(P.ApiError(499, "client disconnected"))
+        except Exception as e:               # a bug: still an OpenAI-schema answer, logged and counted
+            msg = f"internal error: {type(e).__name__}: {e}"[:500]
+            self.ledger.record(rid, P.ENDPOINTS[kind], 500, error=msg)
+            return error_response(P.ApiError(500, msg, type="server_error"))
         watcher = asyncio.ensure_future(_watch_disconnect(request, job))
         streaming = False
         try:
@@ -202,13 +222,14 @@ class Api:
 
 def build_app(rt, model_id: str, *, api_key: str | None = None, max_tokens_default: int = 96,
               queue_size: int = 64, telemetry_log: str | None = None, generate_fn=None,
-              close_timeout_s: float | None = 60.0, speculator=None) -> Starlette:
+              close_timeout_s: float | None = 60.0, speculator=None,
+              max_body_bytes: int = limits.MAX_BODY_BYTES) -> Starlette:
     """The ASGI app. The engine thread starts with the app's lifespan and stops with it;
     the runtime stays the caller's to close. `generate_fn` replaces engine.generate (tests)."""
     ledger = Ledger(telemetry_log)
     kw = {"generate_fn": generate_fn} if generate_fn is not None else {}
     worker = EngineWorker(rt, ledger, queue_size, speculator=speculator, **kw)
-    api = Api(rt, model_id, worker, ledger, api_key, max_tokens_default)
+    api = Api(rt, model_id, worker, ledger, api_key, max_tokens_default, max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -217,6 +238,7 @@ def build_app(rt, model_id: str, *, api_key: str | None = None, max_tokens_defau
             yield
         finally:
             await asyncio.to_thread(worker.close, close_timeout_s)
+            api.admit_pool.shutdown(wait=False, cancel_futures=True)
             ledger.close()
 
     async def api_error(request, e: P.ApiError):
@@ -325,6 +347,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="require Authorization: Bearer KEY on /v1/* (default: $MAWFORGE_API_KEY, else none)")
     p.add_argument("--telemetry-log", default=None, help="append one JSON line per request here")
     p.add_argument("--queue-size", type=int, default=64, help="requests that may wait; beyond it 429")
+    p.add_argument("--max-body-bytes", type=int, default=limits.MAX_BODY_BYTES,
+                   help="larger request bodies are refused with 413")
     p.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests may run before they are cancelled")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
@@ -357,7 +381,8 @@ def main(a: argparse.Namespace) -> int:
         spec = speculator_from_args(rt, a)
         model_id = a.model_id or Path(a.pack).resolve().name
         app = build_app(rt, model_id, api_key=a.api_key, max_tokens_default=a.max_tokens_default,
-                        queue_size=a.queue_size, telemetry_log=a.telemetry_log, speculator=spec)
+                        queue_size=a.queue_size, telemetry_log=a.telemetry_log, speculator=spec,
+                        max_body_bytes=a.max_body_bytes)
         announce = lambda url: print(f"mawforge serve: listening on {url} (model {model_id!r}, context "
                                      f"{opts.context}, queue {a.queue_size})", file=sys.stderr, flush=True)
         # uvicorn re-raises SIGTERM after its graceful shutdown; a no-op handler makes that exit 0.
