@@ -107,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     except MawError as e:
         print(f"mawforge {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
+    except BrokenPipeError:   # `mawforge inspect X | head`: the reader left, nothing to say
+        sys.stderr.close()
+        return 0
     except OSError as e:      # permissions, a file where a directory belongs, a full disk: the user's to fix
         print(f"mawforge {args.command}: error: {os_message(e)}", file=sys.stderr)
         return MawError.exit_code

@@ -57,15 +57,24 @@ REQUIRED: dict[str, Callable[[ModelConfig, int], tuple]] = {
 
 
 def check_required(cfg: ModelConfig, common) -> None:
-    """FormatError naming the first tensor the architecture needs that `common` lacks."""
+    """FormatError naming the first tensor the architecture needs that `common` lacks, or
+    whose rank is wrong (a norm that is not 1-D, a projection that is not 2-D)."""
     need = REQUIRED.get(cfg.arch)
     if need is None:
         return
     try:
         for layer in range(cfg.n_layers):
             for suffix in need(cfg, layer):
-                if f"blk.{layer}.{suffix}" not in common:
-                    raise FormatError(f"the source has no blk.{layer}.{suffix} tensor, which {cfg.arch} needs "
+                name = f"blk.{layer}.{suffix}"
+                t = common.get(name)
+                if t is None:
+                    raise FormatError(f"the source has no {name} tensor, which {cfg.arch} needs "
                                       f"(a truncated conversion or a different architecture?)")
+                rank = 1 if suffix.endswith("norm.weight") or suffix == "attn_sinks.weight" else 2
+                if len(t.shape) != rank:
+                    raise FormatError(f"{name} has shape {list(t.shape)}; {cfg.arch} needs a {rank}-D tensor")
     except (TypeError, IndexError, AttributeError) as e:
         raise FormatError(f"model config: bad family settings ({type(e).__name__}: {e})") from None
+    emb = common.get("token_embd.weight")
+    if emb is not None and (len(emb.shape) != 2 or emb.shape[-1] != cfg.hidden):
+        raise FormatError(f"token_embd.weight has shape {list(emb.shape)}; expected [vocab, {cfg.hidden}]")

@@ -28,6 +28,10 @@ EXPERT_SETS = (
 )
 
 
+# Which axis of a per-expert [N, K] tensor is the model's hidden size (inputs of gate/up, output of down).
+_HIDDEN_AXIS = {"gate": 1, "up": 1, "gate_up": 1, "down": 0}
+
+
 def row_bytes(qtype: QT, k: int) -> int:
     block, size = GGML_QUANT_SIZES[qtype]
     if k % block:
@@ -130,6 +134,10 @@ class Source:
                 t = self.experts[(layer, k)]
                 if len(t.pieces) != cfg.n_experts:
                     raise FormatError(f"layer {layer} {k}: {len(t.pieces)} experts, config says {cfg.n_experts}")
+                axis = _HIDDEN_AXIS.get(k)
+                if axis is not None and t.shape[axis] != cfg.hidden:
+                    raise FormatError(f"layer {layer} {k} experts have shape {list(t.shape)}; "
+                                      f"the hidden size is {cfg.hidden}")
         for need in ("token_embd.weight", "output_norm.weight"):
             if need not in self.common:
                 raise FormatError(f"model has no {need} tensor")

@@ -28,19 +28,29 @@ BAD = ("crash", "blowup", "hang", "missed")
 
 
 def build_seeds(root: Path, archs: tuple[str, ...] = ("qwen3_moe",)) -> dict[str, list[Path]]:
-    """Valid inputs from the fixture builders: per arch a Q4_K_M GGUF, the HF directory in both
-    expert layouts, and packs of the GGUF and of the HF directory. Built once under root."""
-    from mawforge.fixtures.build import build_fixtures
+    """Valid inputs from the fixture builders, built once under root: a tiny `mawforge synth`
+    GGUF (llama.cpp's Q4_K_M quant mix, no transformers needed) and, per fixture arch, a
+    Q4_K_M GGUF and the HF directory in both expert layouts; packs of the GGUFs and of the
+    first HF layout."""
+    from mawforge.fixtures.synth import synth
     from mawforge.pack.packer import pack
-    fx = build_fixtures(root / "fixtures", archs=archs, ftypes=("Q4_K_M",))
+    root.mkdir(parents=True, exist_ok=True)
+    tiny = root / "synth-tiny.gguf"
+    if not tiny.exists():
+        synth(tiny, 2, vocab=1024, hidden=256, n_head=4, n_head_kv=2, head_dim=64, n_expert=8, n_expert_used=2,
+              expert_ff=256, dense_ff=512, report=False, progress=False)
+    sources = [("synth", "gguf", tiny)]
+    if archs:
+        from mawforge.fixtures.build import build_fixtures
+        for arch, e in build_fixtures(root / "fixtures", archs=archs, ftypes=("Q4_K_M",)).items():
+            sources += [(arch, "gguf", e["gguf"]["Q4_K_M"]), (arch, "hf", e["hf"]), (arch, "hf_fused", e["hf_fused"])]
     seeds: dict[str, list[Path]] = {"gguf": [], "hf": [], "pack": []}
-    for arch, e in fx.items():
-        seeds["gguf"].append(e["gguf"]["Q4_K_M"])
-        seeds["hf"] += [e["hf"], e["hf_fused"]]
-        for name, src in (("gguf", e["gguf"]["Q4_K_M"]), ("hf", e["hf"])):
-            out = root / f"pack-{arch}-{name}"
+    for arch, kind, path in sources:
+        seeds["gguf" if kind == "gguf" else "hf"].append(path)
+        if kind in ("gguf", "hf"):
+            out = root / f"pack-{arch}-{kind}"
             if not (out / "manifest.json").exists():
-                pack(src, out, progress=False, force=True)
+                pack(path, out, progress=False, force=True)
             seeds["pack"].append(out)
     return seeds
 
@@ -147,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="write results.jsonl and summary.json here "
                     "(and keep the inputs of bad cases under out/bad)")
     a = ap.parse_args(argv)
-    seeds = build_seeds(a.seeds_dir, tuple(a.archs.split(",")))
+    seeds = build_seeds(a.seeds_dir, tuple(x for x in a.archs.split(",") if x))
+    kinds = tuple(k for k in a.kinds.split(",") if seeds["pack" if k == "flip" else k])
     keep = None
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
@@ -166,11 +177,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"... {n[0]} cases, {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
 
     with tempfile.TemporaryDirectory(prefix="mawforge-fuzz-") as work:
-        fz = Fuzzer(seeds, Path(work), a.seed, a.jobs, a.timeout_s, a.mem_gib, tuple(a.kinds.split(",")), keep)
+        fz = Fuzzer(seeds, Path(work), a.seed, a.jobs, a.timeout_s, a.mem_gib, kinds, keep)
         cases = a.only if a.only else range(a.start, a.start + a.cases)
         results = fz.run(cases, on_result)
     s = summarize(results)
-    s.update(wall_s=round(time.monotonic() - t0, 1), seed=a.seed, jobs=a.jobs, kinds=a.kinds, archs=a.archs)
+    s.update(wall_s=round(time.monotonic() - t0, 1), seed=a.seed, jobs=a.jobs, kinds=",".join(kinds), archs=a.archs)
     if a.out:
         (a.out / "summary.json").write_text(json.dumps({k: v for k, v in s.items() if k != "bad"}, indent=1))
         log.close()

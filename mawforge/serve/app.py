@@ -115,10 +115,12 @@ class Api:
 
     def _prompt_ids(self, req: P.ApiRequest) -> list[int]:
         tok = self.rt.tokenizer
+        context = self.rt.opts.context
         if req.kind == "chat":
-            return tok.encode(tok.chat.render(list(req.messages), add_generation_prompt=True))
+            return limits.encode_bounded(tok.encode, tok.chat.render(list(req.messages), add_generation_prompt=True),
+                                         context)
         if req.prompt is not None:
-            return tok.encode(req.prompt)
+            return limits.encode_bounded(tok.encode, req.prompt, context)
         vocab = self.rt.cfg.vocab
         bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
         if bad:

@@ -84,3 +84,29 @@ def check_request(req: P.ApiRequest, body: dict, context: int, vocab: int) -> P.
         raise P.ApiError(400, f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids in "
                          f"[0, {vocab})", param="stop_token_ids")
     return dataclasses.replace(req, params=dataclasses.replace(req.params, stop_token_ids=tuple(ids)))
+
+
+SLICE_CHARS = 16 << 10           # one tokenizer call holds the GIL for ~20-40 ms at this size
+
+
+def encode_bounded(encode, text: str, context: int) -> list[int]:
+    """encode(text), except that a long text is first counted in slices cut before whitespace
+    (where pre-tokenizers split anyway), so that a prompt far over the context is refused after
+    a few short tokenizer calls instead of one multi-second call that holds the GIL and with
+    it the event loop (/health). The count per slice may include a BOS token: the slice count
+    is subtracted before comparing, so only a prompt that cannot fit is refused here."""
+    if len(text) <= 2 * SLICE_CHARS:
+        return encode(text)
+    n, start, slices = 0, 0, 0
+    while start < len(text):
+        end = min(len(text), start + SLICE_CHARS)
+        if end < len(text):
+            cut = max(text.rfind(" ", start + 1, end), text.rfind("\n", start + 1, end))
+            end = cut if cut > start else end
+        n += len(encode(text[start:end]))
+        slices += 1
+        start = end
+        if n - slices >= context:
+            raise P.ApiError(400, f"the prompt has more than {n - slices} tokens; the context is {context} "
+                             f"(at least one position must be left to generate)", code="context_length_exceeded")
+    return encode(text)
