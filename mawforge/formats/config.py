@@ -48,13 +48,31 @@ _BAD_VALUE = (KeyError, TypeError, ValueError, OverflowError, IndexError, ZeroDi
               RecursionError)
 
 
+class Tracked(dict):
+    """A config mapping that remembers the last key read, so that a conversion failing right
+    after (int("abc"), float([])) is reported with the key that held the bad value."""
+    last: str | None = None
+
+    def __getitem__(self, k):
+        self.last = k
+        return super().__getitem__(k)
+
+    def get(self, k, default=None):
+        self.last = k
+        return super().get(k, default)
+
+
 @contextlib.contextmanager
-def bad_values(where: str):
+def bad_values(where: str, cfg: dict | None = None):
     """Turns a wrong type or missing key met while converting a config into one FormatError."""
     try:
         yield
     except _BAD_VALUE as e:
-        raise FormatError(f"{where}: missing or bad value ({type(e).__name__}: {e})") from None
+        key = getattr(cfg, "last", None)
+        if isinstance(e, KeyError):
+            raise FormatError(f"{where}: missing key {e}") from None
+        shown = f" {key} = {repr(dict.get(cfg, key))[:60]}" if key is not None else ""
+        raise FormatError(f"{where}:{shown} is a bad value ({type(e).__name__}: {str(e)[:120]})") from None
 
 
 def _is_int(v) -> bool:
@@ -143,7 +161,8 @@ def from_gguf_metadata(meta: dict[str, Any], vocab: int) -> ModelConfig:
         if k.startswith(src_arch + ".") and isinstance(v, float) and not math.isfinite(v):
             raise FormatError(f"GGUF metadata {k} is {v}")
     _layer_count(meta.get(f"{src_arch}.block_count"), f"GGUF {src_arch}.block_count")
-    with bad_values("GGUF metadata"):
+    meta = Tracked(meta)
+    with bad_values("GGUF metadata", meta):
         return _from_gguf(meta, vocab, src_arch)
 
 
@@ -205,38 +224,40 @@ def from_hf_config(cfg: dict[str, Any]) -> ModelConfig:
     arch = HF_MODEL_TYPES[mt]
     if isinstance(cfg.get("text_config"), dict):     # multimodal checkpoints nest the text model
         cfg = {**cfg["text_config"], "model_type": mt}
-    _layer_count(cfg.get("num_hidden_layers"), f"config.json num_hidden_layers")
-    try:
-        hidden = int(cfg["hidden_size"])
-        n_heads = int(cfg["num_attention_heads"])
-        n_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"))
-        top_k = int(cfg.get("num_experts_per_tok") or cfg["top_k_experts"])
-        expert_ff = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
-        d = dict(ARCH_DEFAULTS[arch])
-        if "norm_topk_prob" in cfg:
-            d["norm_topk_prob"] = bool(cfg["norm_topk_prob"])
-        rope = cfg.get("rope_parameters") or {}
-        rope_base = float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
-        return ModelConfig(**(dict(
-            arch=arch,
-            n_layers=int(cfg["num_hidden_layers"]),
-            hidden=hidden,
-            n_heads=n_heads,
-            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // n_heads),
-            vocab=int(cfg["vocab_size"]),
-            n_experts=n_experts,
-            top_k=top_k,
-            expert_ff=expert_ff,
-            shared_ff=int(cfg.get("shared_expert_intermediate_size") or 0),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_base=rope_base,
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            context_length=int(cfg.get("max_position_embeddings", 4096)),
-            **d) | _family_hf(arch, cfg)))
-    except _BAD_VALUE as e:
-        raise FormatError(f"config.json for {mt} is missing or has a bad value: {type(e).__name__}: {e}") from None
+    _layer_count(cfg.get("num_hidden_layers"), "config.json num_hidden_layers")
+    cfg = Tracked(cfg)
+    with bad_values(f"config.json ({mt})", cfg):
+        return _from_hf(cfg, mt, arch)
 
+
+def _from_hf(cfg: dict, mt: str, arch: str) -> ModelConfig:
+    hidden = int(cfg["hidden_size"])
+    n_heads = int(cfg["num_attention_heads"])
+    n_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"))
+    top_k = int(cfg.get("num_experts_per_tok") or cfg["top_k_experts"])
+    expert_ff = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+    d = dict(ARCH_DEFAULTS[arch])
+    if "norm_topk_prob" in cfg:
+        d["norm_topk_prob"] = bool(cfg["norm_topk_prob"])
+    rope = cfg.get("rope_parameters") or {}
+    rope_base = float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    return ModelConfig(**(dict(
+        arch=arch,
+        n_layers=int(cfg["num_hidden_layers"]),
+        hidden=hidden,
+        n_heads=n_heads,
+        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+        head_dim=int(cfg.get("head_dim") or hidden // n_heads),
+        vocab=int(cfg["vocab_size"]),
+        n_experts=n_experts,
+        top_k=top_k,
+        expert_ff=expert_ff,
+        shared_ff=int(cfg.get("shared_expert_intermediate_size") or 0),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_base=rope_base,
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        context_length=int(cfg.get("max_position_embeddings", 4096)),
+        **d) | _family_hf(arch, cfg)))
 
 
 # ---- family settings (config.extra), torch-free: the planner and the KV cache read them ----

@@ -230,14 +230,14 @@ def storm(url: str, model: str, cfg: Storm, context: int, terminate=None) -> Res
 
     _run([threading.Thread(target=burst) for _ in range(cfg.overload)])
     if terminate is not None:
-        _term(h, model, cfg, res, lock, terminate)
+        drain(url, model, cfg, res, terminate)
     return res
 
 
-def _term(h: _Http, model: str, cfg: Storm, res: Result, lock, terminate) -> None:
+def drain(url: str, model: str, cfg: Storm, res: Result, terminate) -> None:
     """Open streams (one running, the rest queued), then SIGTERM once one is in flight: each
     must still get a well-formed end (a finish_reason, or a 503 if it never started)."""
-    first = threading.Event()
+    h, lock, first = _Http(url), threading.Lock(), threading.Event()
 
     def stream() -> None:
         c = http.client.HTTPConnection(h.host, h.port, timeout=120)
