@@ -63,7 +63,7 @@ def verify(pack: str | os.PathLike, progress: bool = False) -> VerifyReport:
         bar = tqdm(total=index.total_bytes(), unit="B", unit_scale=True, desc="verify", file=sys.stderr)
     try:
         _check_common(pack, man, rep)
-        _check_experts(pack, index, rep, bar)
+        _check_experts(pack, index, rep, bar, man.byte_totals.get("experts_file"))
     finally:
         if bar:
             bar.close()
@@ -140,6 +140,7 @@ def _check_common(pack: Path, man, rep: VerifyReport) -> None:
     if opened is None:
         return
     fd, size = opened
+    _check_size(COMMON, size, man.byte_totals.get("common_file"), rep)
     try:
         for rec in man.common:
             rep.common_checked += 1
@@ -157,11 +158,19 @@ def _check_common(pack: Path, man, rep: VerifyReport) -> None:
         os.close(fd)
 
 
-def _check_experts(pack: Path, index, rep: VerifyReport, bar) -> None:
+def _check_size(name: str, size: int, declared, rep: VerifyReport) -> None:
+    """The manifest's file sizes (packs write each file to exactly that size; the padding after
+    the last block is not covered by a digest, so this is what notices it being cut)."""
+    if type(declared) is int and size not in (declared, -(-declared // 4096) * 4096, 1 if declared == 0 else -1):
+        rep.problems.append(f"{name} has {size} bytes, the manifest says {declared}")
+
+
+def _check_experts(pack: Path, index, rep: VerifyReport, bar, declared=None) -> None:
     opened = _open(pack / EXPERTS, rep)
     if opened is None:
         return
     fd, size = opened
+    _check_size(EXPERTS, size, declared, rep)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         for lb in index.layers:
