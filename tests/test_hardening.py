@@ -148,11 +148,11 @@ HF_CASES = {
     "config nested": (lambda d: (d / "config.json").write_text('{"a": ' + "[" * 5000 + "]" * 5000 + "}"), "nested"),
     "config not utf-8": (lambda d: (d / "config.json").write_bytes(b'{"model_type": "\xff"}'), "UTF-8"),
     "index escapes": (lambda d: (d / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"a": "../hf/model.safetensors"}})), "outside the model directory"),
+        {"weight_map": {"a": "../x/model.safetensors"}})), "outside the model directory"),
     "index map a list": (lambda d: (d / "model.safetensors.index.json").write_text('{"weight_map": [1]}'),
                          "weight_map"),
     "shard is a directory": (lambda d: ((d / "model.safetensors").unlink(), (d / "model.safetensors").mkdir()),
-                             "no safetensors"),
+                             "not a file"),
 }
 
 
