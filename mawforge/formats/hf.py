@@ -155,4 +155,9 @@ def open_hf(d: Path) -> Source:
     elif "output.weight" not in common:
         raise FormatError(f"{d}: config does not tie embeddings but there is no lm_head.weight")
     extra = [d / n for n in TOKENIZER_FILES if (d / n).exists()]
+    for f in extra:            # copied into the pack and read by the runtime: refuse damage now
+        if not f.is_file():
+            raise FormatError(f"{f}: not a regular file")
+        if f.suffix == ".json":
+            jsonio.load_file(f)
     return Source("hf", d, cfg, hf_cfg, common, experts, files=files, extra_files=extra)

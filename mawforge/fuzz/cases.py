@@ -49,6 +49,10 @@ def run_case(kind: str, seeds: dict[str, list[Path]], case_dir: Path, master_see
         out.update({"class": "clean", "detail": str(e)[:300]})
         if "\n" in str(e):
             out.update({"class": "crash", "detail": "multi-line MawError: " + str(e)[:300]})
+    except MemoryError as e:
+        out.update({"class": "blowup", "detail": crash_detail(e)})
+    except Exception as e:          # noqa: BLE001  (what a user would see as a traceback)
+        out.update({"class": "crash", "detail": crash_detail(e)})
     return out
 
 
