@@ -254,7 +254,7 @@ def manifest_from_dict(d: dict, where: str) -> Manifest:
                 raise FormatError(f"tokenizer file {f!r} is not a plain file name"[:200])
         tf = tuple(_obj(t, "transform") for t in _list(d.get("transforms"), "transforms"))
         byte_totals = _obj(d.get("bytes"), "bytes")
-        for k in ("common", "experts", "expert_blocks"):
+        for k in ("common", "embedding", "experts", "expert_blocks", "common_file", "experts_file"):
             _int(byte_totals.get(k), f"bytes.{k}")
         idx = _hex(d.get("index_digest"), "index_digest") if version >= 2 else ""
         return Manifest(ModelConfig.from_dict(d.get("config")), _obj(d.get("source"), "source"),
