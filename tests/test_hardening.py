@@ -228,6 +228,15 @@ def test_verify_names_every_edit(good_pack, tmp_path, what, edit, needle):
     assert not rep.ok and needle in "\n".join(rep.lines())
 
 
+def test_an_edited_manifest_is_refused_before_plan_or_run_use_it(good_pack, tmp_path):
+    p = _copy_pack(good_pack, tmp_path)
+    _edit_json(p / MANIFEST, lambda d: d["config"]["extra"].update(kv_layers="garbage"))
+    with pytest.raises(FormatError, match="edited after packing"):
+        read_manifest(p)
+    r = run_cli("plan", "--pack", str(p), "--memory-budget-gib", "2")
+    assert r.returncode == 2 and "edited after packing" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_format_1_packs_are_still_read_and_verified(good_pack, tmp_path):
     """A pack written before format 2 (no template, index or manifest digests) reads and
     verifies, with a note saying what could not be checked."""

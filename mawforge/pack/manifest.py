@@ -273,7 +273,15 @@ def _alignment(v) -> int:
 
 
 def read_manifest(pack: Path) -> Manifest:
-    return manifest_from_dict(load_json(Path(pack) / MANIFEST), f"{pack}/{MANIFEST}")
+    """The manifest, checked field by field; a format 2 manifest whose values were edited
+    after packing (its manifest_digest no longer matches) is refused here, so plan, run and
+    serve never act on hand-edited values. `verify` reads it without this check and reports."""
+    d = load_json(Path(pack) / MANIFEST)
+    man = manifest_from_dict(d, f"{pack}/{MANIFEST}")
+    if man.version >= 2 and d.get("manifest_digest") != manifest_digest(d):
+        raise FormatError(f"{pack}/{MANIFEST} was edited after packing (manifest_digest does not match); "
+                          "run `mawforge verify`")
+    return man
 
 
 def index_from_dict(d: dict, where: str) -> ExpertIndex:
