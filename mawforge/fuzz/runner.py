@@ -79,6 +79,8 @@ class Fuzzer:
     def __init__(self, seeds: dict[str, list[Path]], work: Path, master_seed: int = 0, jobs: int = 2,
                  timeout_s: float = 20.0, mem_gib: float = 4.0, kinds: tuple[str, ...] = KINDS,
                  keep: Path | None = None):
+        import mawforge.formats.gguf, mawforge.formats.hf, mawforge.pack.inspect, mawforge.pack.verify  # noqa: F401,E401
+        # imported once here, not in every forked child (and not re-read from disk mid-run)
         self.seeds, self.work, self.master_seed, self.jobs = seeds, work, master_seed, jobs
         self.timeout_s, self.mem_bytes, self.kinds, self.keep = timeout_s, int(mem_gib * 2**30), kinds, keep
 
