@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -23,12 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mawforge.fuzz.storm import Storm, storm  # noqa: E402
 
 
-def start_server(pack: Path, context: int, queue: int, log: Path) -> tuple[subprocess.Popen, str]:
-    p = subprocess.Popen([sys.executable, "-m", "mawforge.cli", "serve", "--pack", str(pack), "--model-id", "storm",
+def start_server(pack: Path, context: int, queue: int, log: Path, root: Path | None = None) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "PYTHONPATH": str(root)} if root else None     # --server-root: serve another checkout
+    p = subprocess.Popen([sys.executable, "-m", "mawforge.cli", "serve", "--pack", str(pack.resolve()), "--model-id", "storm",
                           "--port", "0", "--context", str(context), "--threads", "1", "--queue-size", str(queue),
                           "--memory-budget-gib", "4", "--expert-cache-percent", "100", "--no-speculative",
-                          "--telemetry-log", str(log), "--shutdown-grace-s", "5"],
-                         stderr=subprocess.PIPE, text=True)
+                          "--telemetry-log", str(log.resolve()), "--shutdown-grace-s", "5"],
+                         stderr=subprocess.PIPE, text=True, env=env, cwd=root)
     for line in p.stderr:
         m = re.search(r"listening on (http://\S+)", line)
         if m:
@@ -62,12 +64,14 @@ def main() -> int:
     ap.add_argument("--big-mb", type=float, default=5.0)
     ap.add_argument("--overload", type=int, default=24)
     ap.add_argument("--out", type=Path, default=Path("bench-runs/storm"))
+    ap.add_argument("--server-root", type=Path, default=None,
+                    help="run the server from another checkout (e.g. main, for a before/after figure)")
     a = ap.parse_args()
     pack = a.pack or synth_pack(Path("work/storm"))
     a.out.mkdir(parents=True, exist_ok=True)
     log = a.out / "telemetry.jsonl"
     log.unlink(missing_ok=True)
-    proc, url = start_server(pack, a.context, a.queue_size, log)
+    proc, url = start_server(pack, a.context, a.queue_size, log, a.server_root)
     cfg = Storm(clients=a.clients, requests=a.requests, disconnects=a.disconnects, big_bodies=a.big_bodies,
                 big_mb=a.big_mb, overload=a.overload)
     t0 = time.perf_counter()
