@@ -203,9 +203,10 @@ def storm(url: str, model: str, cfg: Storm, context: int, terminate=None) -> Res
                 res.health_failures += not ok
             time.sleep(0.02)
 
-    def big() -> None:
-        body = json.dumps({"model": model, "prompt": "cache " * int(cfg.big_mb * (1 << 20) / 6)}).encode()
-        status, _, _ = h.request("POST", COMP, body)
+    big_body = json.dumps({"model": model, "prompt": "cache " * int(cfg.big_mb * (1 << 20) / 6)}).encode()
+
+    def big() -> None:              # one shared body: the client's own GIL must not skew the /health times
+        status, _, _ = h.request("POST", COMP, big_body)
         with lock:
             res.sent[COMP] += 1
             res.big.append(status)

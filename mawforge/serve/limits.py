@@ -35,17 +35,35 @@ KNOWN_FIELDS = frozenset({
 })
 
 
+BODY_SLOTS = 4                   # bodies received at once; the rest wait with their sockets paused
+_slots: dict = {}
+
+
+def _body_slots():
+    """One semaphore per event loop (tests run several servers in one process)."""
+    import asyncio
+    loop = asyncio.get_running_loop()
+    if loop not in _slots:
+        _slots.clear()
+        _slots[loop] = asyncio.Semaphore(BODY_SLOTS)
+    return _slots[loop]
+
+
 async def read_body(request, limit: int = MAX_BODY_BYTES) -> bytes:
-    """The request body, refusing (413) anything over `limit` bytes without buffering it all."""
+    """The request body, refusing (413) anything over `limit` bytes without buffering it all.
+    At most BODY_SLOTS bodies are read at once: uvicorn stops reading a socket whose body
+    nobody consumes, so a burst of large uploads cannot keep the event loop (and /health) busy
+    parsing HTTP for all of them together."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
     chunks, n = [], 0
-    async for chunk in request.stream():
-        n += len(chunk)
-        if n > limit:
-            raise _too_large(n, limit)
-        chunks.append(chunk)
+    async with _body_slots():
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > limit:
+                raise _too_large(n, limit)
+            chunks.append(chunk)
     return b"".join(chunks)
 
 
