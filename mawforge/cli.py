@@ -23,6 +23,14 @@ COMMANDS = {
 }
 
 
+def os_message(e: OSError) -> str:
+    """One line for an OSError: what failed, on which path."""
+    import errno
+    what = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded"}.get(e.errno, e.strerror or str(e))
+    paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None)
+    return f"{what}: {paths}" if paths else what
+
+
 def _load(spec: str):
     mod, _, attr = spec.partition(":")
     m = importlib.import_module(mod)
@@ -99,6 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     except MawError as e:
         print(f"mawforge {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
+    except BrokenPipeError:   # `mawforge inspect X | head`: the reader left, nothing to say
+        sys.stderr.close()
+        return 0
+    except OSError as e:      # permissions, a file where a directory belongs, a full disk: the user's to fix
+        print(f"mawforge {args.command}: error: {os_message(e)}", file=sys.stderr)
+        return MawError.exit_code
     except KeyboardInterrupt:
         print(f"mawforge {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -25,6 +25,8 @@ _SCALAR = {
 }
 _MAX_STR = 1 << 24
 _MAX_ARRAY = 1 << 26
+_MAX_NESTING = 2        # an array of arrays at most (llama.cpp writes none deeper)
+_MAX_DIM = 1 << 40      # one dimension; products are checked against the file size anyway
 
 
 class _Reader:
@@ -32,6 +34,9 @@ class _Reader:
         self.f, self.size, self.name = f, size, name
 
     def take(self, n: int) -> bytes:
+        if n > self.size - self.f.tell():       # checked before reading: no allocation of a bogus n
+            raise FormatError(f"{self.name}: truncated GGUF header (needed {n} bytes at offset "
+                              f"{self.f.tell()}, file has {self.size})")
         b = self.f.read(n)
         if len(b) != n:
             raise FormatError(f"{self.name}: truncated GGUF header (needed {n} bytes at offset "
@@ -50,7 +55,7 @@ class _Reader:
         except UnicodeDecodeError:
             raise FormatError(f"{self.name}: malformed GGUF (string is not UTF-8)") from None
 
-    def value(self, vt: int) -> Any:
+    def value(self, vt: int, depth: int = 0) -> Any:
         try:
             vt = VT(vt)
         except ValueError:
@@ -61,11 +66,13 @@ class _Reader:
             et, n = self.scalar("<I"), self.scalar("<Q")
             if n > _MAX_ARRAY:
                 raise FormatError(f"{self.name}: malformed GGUF (array of {n} items)")
+            if depth >= _MAX_NESTING:
+                raise FormatError(f"{self.name}: malformed GGUF (arrays nested deeper than {_MAX_NESTING})")
             if et in _SCALAR:
                 fmt = _SCALAR[VT(et)]
                 sz = struct.calcsize(fmt)
                 return list(struct.unpack(f"<{n}{fmt[1]}", self.take(n * sz)))
-            return [self.value(et) for _ in range(n)]
+            return [self.value(et, depth + 1) for _ in range(n)]
         return self.scalar(_SCALAR[vt])
 
 
@@ -93,16 +100,20 @@ def read_header(path: Path) -> tuple[dict[str, Any], list[TensorInfo], int]:
             if not 1 <= nd <= 4:
                 raise FormatError(f"{path.name}: malformed GGUF ({name} has {nd} dims)")
             ne = [r.scalar("<Q") for _ in range(nd)]
+            if not all(0 < d <= _MAX_DIM for d in ne):
+                raise FormatError(f"{path.name}: malformed GGUF ({name} has dims {ne})")
             t = r.scalar("<I")
             try:
                 qt = QT(t)
             except ValueError:
                 raise UnsupportedError(f"{path.name}: tensor {name} has unknown ggml type {t}") from None
             raw.append((name, tuple(reversed(ne)), qt, r.scalar("<Q")))
-        align = int(meta.get("general.alignment", 32))
-        if align <= 0 or align & (align - 1):
+        align = meta.get("general.alignment", 32)
+        if type(align) is not int or align <= 0 or align & (align - 1):
             raise FormatError(f"{path.name}: malformed GGUF (alignment {align})")
         data_offset = -(-f.tell() // align) * align
+    if len({name for name, *_ in raw}) != len(raw):
+        raise FormatError(f"{path.name}: malformed GGUF (a tensor name appears twice)")
     tensors = []
     for name, shape, qt, rel in raw:
         if qt not in GGML_QUANT_SIZES:
@@ -113,11 +124,25 @@ def read_header(path: Path) -> tuple[dict[str, Any], list[TensorInfo], int]:
             n *= s
         nbytes = n // block * tsize
         off = data_offset + rel
+        if rel % align:
+            raise FormatError(f"{path.name}: malformed GGUF (tensor {name} at offset {rel} is not "
+                              f"aligned to {align})")
         if off + nbytes > size:
             raise FormatError(f"{path.name} is truncated: tensor {name} ends at byte {off + nbytes}, "
                               f"file has {size}")
         tensors.append(TensorInfo(name, qt, shape, path, off, nbytes))
+    _no_overlap(path.name, [(t.offset, t.nbytes, t.name) for t in tensors])
     return meta, tensors, data_offset
+
+
+def _no_overlap(fname: str, ranges: list[tuple[int, int, str]]) -> None:
+    """Tensor byte ranges must not share bytes: a crafted table could otherwise alias one
+    tensor's bytes as another's."""
+    end, last = 0, None
+    for off, n, name in sorted(ranges):
+        if off < end:
+            raise FormatError(f"{fname}: malformed (tensors {last} and {name} overlap)")
+        end, last = off + n, name
 
 
 def open_gguf(path: Path) -> Source:
@@ -134,13 +159,19 @@ def open_gguf(path: Path) -> Source:
             if len(t.shape) != 3 and not bias:
                 raise FormatError(f"{path.name}: expert tensor {t.name} is not 3-D: {list(t.shape)}")
             e_count, n_rows, k = (t.shape[0], 1, t.shape[1]) if bias else t.shape
-            per = t.nbytes // e_count
+            per = t.nbytes // e_count       # dims are checked positive by read_header
             experts[(en.layer, en.kind)] = ExpertTensor(
                 en.layer, en.kind, t.qtype, (n_rows, k),
                 tuple((path, t.offset + e * per, per) for e in range(e_count)))
         else:
+            if len(t.shape) != 2:
+                raise FormatError(f"{path.name}: expert tensor {t.name} is not 2-D: {list(t.shape)}")
             per_expert.setdefault((en.layer, en.kind), {})[en.expert] = t
     for (layer, kind), by_e in per_expert.items():
+        if sorted(by_e) != list(range(len(by_e))):
+            raise FormatError(f"{path.name}: layer {layer} {kind} experts are not numbered 0..{len(by_e) - 1}")
+        if len({(t.qtype, t.shape) for t in by_e.values()}) != 1:
+            raise FormatError(f"{path.name}: layer {layer} {kind} experts differ in type or shape")
         ts = [by_e[e] for e in sorted(by_e)]
         experts[(layer, kind)] = ExpertTensor(layer, kind, ts[0].qtype, ts[0].shape,
                                               tuple((path, t.offset, t.nbytes) for t in ts))

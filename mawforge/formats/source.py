@@ -28,6 +28,10 @@ EXPERT_SETS = (
 )
 
 
+# Which axis of a per-expert [N, K] tensor is the model's hidden size (inputs of gate/up, output of down).
+_HIDDEN_AXIS = {"gate": 1, "up": 1, "gate_up": 1, "down": 0}
+
+
 def row_bytes(qtype: QT, k: int) -> int:
     block, size = GGML_QUANT_SIZES[qtype]
     if k % block:
@@ -130,9 +134,15 @@ class Source:
                 t = self.experts[(layer, k)]
                 if len(t.pieces) != cfg.n_experts:
                     raise FormatError(f"layer {layer} {k}: {len(t.pieces)} experts, config says {cfg.n_experts}")
+                axis = _HIDDEN_AXIS.get(k)
+                if axis is not None and t.shape[axis] != cfg.hidden:
+                    raise FormatError(f"layer {layer} {k} experts have shape {list(t.shape)}; "
+                                      f"the hidden size is {cfg.hidden}")
         for need in ("token_embd.weight", "output_norm.weight"):
             if need not in self.common:
                 raise FormatError(f"model has no {need} tensor")
+        from mawforge.formats.required import check_required
+        check_required(cfg, self.common)
         for path, size in ((p, os.path.getsize(p)) for p in self.files):
             for t in self.common.values():
                 if t.path == path and t.offset + t.nbytes > size:
@@ -150,12 +160,17 @@ def open_source(path: str | os.PathLike) -> Source:
     p = Path(path)
     if not p.exists():
         raise FormatError(f"{p}: no such file or directory")
-    if p.is_dir():
-        from mawforge.formats.hf import open_hf
-        src = open_hf(p)
-    else:
-        from mawforge.formats.gguf import open_gguf
-        src = open_gguf(p)
+    try:
+        if p.is_dir():
+            from mawforge.formats.hf import open_hf
+            src = open_hf(p)
+        elif p.is_file():
+            from mawforge.formats.gguf import open_gguf
+            src = open_gguf(p)
+        else:
+            raise FormatError(f"{p}: not a regular file or a directory")
+    except OSError as e:
+        raise FormatError(f"{p}: cannot read {e.filename or ''} ({e.strerror or e})") from None
     src.fold_extra_layers()
     src.validate()
     return src

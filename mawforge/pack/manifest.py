@@ -6,22 +6,74 @@ themselves when read back, so a damaged or foreign pack is a one-line error.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import xxhash
 
 from mawforge.errors import FormatError
+from mawforge.formats import jsonio
 from mawforge.formats.config import ModelConfig
 
 FORMAT = "mawforge-pack"
-FORMAT_VERSION = 1
+# 2: the index's layer templates carry a digest, the manifest carries the index file's digest,
+# its own digest and the tokenizer files' digests, and pack_digest covers all of them.
+# Version 1 packs are still read; `verify` says what it cannot check in them.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST, COMMON, EXPERTS, INDEX = "manifest.json", "common.bin", "experts.pack", "experts.index"
+MAX_OFFSET = 1 << 62          # any offset or size at or past this is damage, not a model
+_HEX128 = re.compile(r"[0-9a-f]{32}")
 
 
 def digest(data) -> str:
     """128-bit block digest (xxh3-128), hex."""
     return xxhash.xxh3_128_hexdigest(data)
+
+
+def canonical(obj) -> bytes:
+    """The bytes a JSON value's digest is taken over: sorted keys, no whitespace."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+# ---- field checks: every value read from manifest.json / experts.index goes through one ----
+
+def _int(v, what: str, lo: int = 0, hi: int = MAX_OFFSET) -> int:
+    if type(v) is not int or not lo <= v < hi:
+        raise FormatError(f"{what} must be an integer in [{lo}, {hi}), got {v!r}"[:200])
+    return v
+
+
+def _str(v, what: str) -> str:
+    if not isinstance(v, str):
+        raise FormatError(f"{what} must be a string, got {type(v).__name__}")
+    return v
+
+
+def _list(v, what: str) -> list:
+    if not isinstance(v, list):
+        raise FormatError(f"{what} must be a list, got {type(v).__name__}")
+    return v
+
+
+def _obj(v, what: str) -> dict:
+    if not isinstance(v, dict):
+        raise FormatError(f"{what} must be an object, got {type(v).__name__}")
+    return v
+
+
+def _shape(v, what: str) -> tuple[int, ...]:
+    dims = _list(v, what)
+    if not 1 <= len(dims) <= 8:
+        raise FormatError(f"{what} must have 1 to 8 dims, got {len(dims)}")
+    return tuple(_int(s, what, 0, 1 << 40) for s in dims)
+
+
+def _hex(v, what: str) -> str:
+    if not isinstance(v, str) or not _HEX128.fullmatch(v):
+        raise FormatError(f"{what} must be a 32-digit hex digest, got {v!r}"[:200])
+    return v
 
 
 @dataclass(frozen=True)
@@ -33,8 +85,11 @@ class Part:
     nbytes: int
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Part":
-        return cls(d["name"], d["dtype"], tuple(d["shape"]), int(d["offset"]), int(d["nbytes"]))
+    def from_dict(cls, d: dict, what: str = "part") -> "Part":
+        d = _obj(d, what)
+        return cls(_str(d.get("name"), f"{what} name"), _str(d.get("dtype"), f"{what} dtype"),
+                   _shape(d.get("shape"), f"{what} shape"), _int(d.get("offset"), f"{what} offset"),
+                   _int(d.get("nbytes"), f"{what} nbytes"))
 
 
 @dataclass(frozen=True)
@@ -56,9 +111,16 @@ class TensorRecord:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TensorRecord":
-        return cls(d["name"], d["qtype"], d["codec"], tuple(d["shape"]),
-                   tuple(Part.from_dict(p) for p in d["parts"]))
+    def from_dict(cls, d: dict, what: str = "tensor") -> "TensorRecord":
+        d = _obj(d, what)
+        name = _str(d.get("name"), f"{what} name")
+        what = f"{what} {name[:80]}"
+        parts = _list(d.get("parts"), f"{what} parts")
+        if not parts:
+            raise FormatError(f"{what} has no parts")
+        return cls(name, _str(d.get("qtype"), f"{what} qtype"), _str(d.get("codec"), f"{what} codec"),
+                   _shape(d.get("shape"), f"{what} shape"),
+                   tuple(Part.from_dict(p, f"{what} part") for p in parts))
 
 
 @dataclass(frozen=True)
@@ -69,18 +131,39 @@ class LayerBlocks:
     tensors: tuple[TensorRecord, ...]     # part offsets relative to the block start
     offsets: tuple[int, ...]              # per expert, absolute in experts.pack
     digests: tuple[str, ...]              # per expert, xxh3-128 of the block's bytes
+    tensors_digest: str = ""              # xxh3-128 of the template (format 2; "" in format 1)
+
+    def template(self) -> dict:
+        return {"layer": self.layer, "block_nbytes": self.block_nbytes,
+                "tensors": [t.to_dict() for t in self.tensors]}
+
+    def template_digest(self) -> str:
+        return digest(canonical(self.template()))
 
     def to_dict(self) -> dict:
-        return {"layer": self.layer, "block_nbytes": self.block_nbytes,
-                "tensors": [t.to_dict() for t in self.tensors],
+        return {**self.template(), "tensors_digest": self.template_digest(),
                 "blocks": [[o, d] for o, d in zip(self.offsets, self.digests)]}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "LayerBlocks":
-        blocks = d["blocks"]
-        return cls(int(d["layer"]), int(d["block_nbytes"]),
-                   tuple(TensorRecord.from_dict(t) for t in d["tensors"]),
-                   tuple(int(b[0]) for b in blocks), tuple(str(b[1]) for b in blocks))
+    def from_dict(cls, d: dict, version: int = FORMAT_VERSION) -> "LayerBlocks":
+        d = _obj(d, "layer entry")
+        layer = _int(d.get("layer"), "layer", 0, 1 << 16)
+        what = f"layer {layer}"
+        size = _int(d.get("block_nbytes"), f"{what} block_nbytes")
+        tensors = tuple(TensorRecord.from_dict(t, f"{what} tensor") for t in _list(d.get("tensors"), f"{what} tensors"))
+        for t in tensors:
+            for p in t.parts:
+                if p.offset + p.nbytes > size:
+                    raise FormatError(f"{what} {t.name}.{p.name} ends at {p.offset + p.nbytes}, past the "
+                                      f"block's {size} bytes")
+        blocks = _list(d.get("blocks"), f"{what} blocks")
+        for i, b in enumerate(blocks):
+            if not isinstance(b, list) or len(b) != 2:
+                raise FormatError(f"{what} block {i} must be [offset, digest]")
+        offsets = tuple(_int(b[0], f"{what} block {i} offset") for i, b in enumerate(blocks))
+        digests = tuple(_hex(b[1], f"{what} block {i} digest") for i, b in enumerate(blocks))
+        td = _hex(d.get("tensors_digest"), f"{what} tensors_digest") if version >= 2 else ""
+        return cls(layer, size, tensors, offsets, digests, td)
 
 
 @dataclass(frozen=True)
@@ -116,6 +199,8 @@ class Manifest:
     common: tuple[TensorRecord, ...]      # offsets absolute in common.bin
     common_digests: dict
     tokenizer: dict
+    version: int = FORMAT_VERSION
+    index_digest: str = ""                # xxh3-128 of experts.index's bytes (format 2)
 
     def common_record(self, name: str) -> TensorRecord | None:
         for t in self.common:
@@ -128,39 +213,104 @@ class Manifest:
              "config": self.config.to_dict(), "source": self.source, "pack_digest": self.pack_digest,
              "alignment": self.alignment, "layout": self.layout, "transforms": list(self.transforms),
              "bytes": self.byte_totals, "common": [t.to_dict() for t in self.common],
-             "common_digests": self.common_digests, "tokenizer": self.tokenizer}
+             "common_digests": self.common_digests, "tokenizer": self.tokenizer,
+             "index_digest": self.index_digest}
+        d["manifest_digest"] = manifest_digest(d)
         return json.dumps(d, indent=1)
 
 
-def _load_json(path: Path) -> dict:
-    try:
-        d = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FormatError(f"{path.parent}: not a MawForge pack (no {path.name})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise FormatError(f"{path}: malformed JSON") from None
-    if not isinstance(d, dict) or d.get("format") != FORMAT:
+def manifest_digest(d: dict) -> str:
+    """xxh3-128 over the manifest's canonical JSON without its own manifest_digest field."""
+    return digest(canonical({k: v for k, v in d.items() if k != "manifest_digest"}))
+
+
+def load_json(path: Path) -> dict:
+    """A pack JSON file, bounded and checked: an object of this format and a readable version."""
+    if not path.parent.exists():
+        raise FormatError(f"{path.parent}: no such pack directory")
+    if not path.parent.is_dir():
+        raise FormatError(f"{path.parent}: not a directory (a pack is a directory)")
+    if not path.exists():
+        raise FormatError(f"{path.parent}: not a MawForge pack (no {path.name})")
+    d = jsonio.load_file(path)
+    if d.get("format") != FORMAT:
         raise FormatError(f"{path}: not a MawForge pack file")
-    if d.get("format_version") != FORMAT_VERSION:
-        raise FormatError(f"{path}: pack format version {d.get('format_version')} "
-                          f"(this MawForge reads {FORMAT_VERSION})")
+    if d.get("format_version") not in READABLE_VERSIONS:
+        raise FormatError(f"{path}: pack format version {d.get('format_version')!r} "
+                          f"(this MawForge reads {', '.join(map(str, READABLE_VERSIONS))})"[:300])
     return d
 
 
-def read_manifest(pack: Path) -> Manifest:
-    d = _load_json(Path(pack) / MANIFEST)
+def manifest_from_dict(d: dict, where: str) -> Manifest:
     try:
-        return Manifest(ModelConfig.from_dict(d["config"]), d["source"], d["pack_digest"],
-                        int(d["alignment"]), d["layout"], tuple(d["transforms"]), d["bytes"],
-                        tuple(TensorRecord.from_dict(t) for t in d["common"]), d["common_digests"],
-                        d["tokenizer"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise FormatError(f"{pack}/{MANIFEST}: missing or bad field ({e})") from None
+        version = d["format_version"]
+        common = tuple(TensorRecord.from_dict(t, "common tensor") for t in _list(d.get("common"), "common"))
+        digests = _obj(d.get("common_digests"), "common_digests")
+        for name, h in digests.items():
+            _hex(h, f"common_digests[{name[:80]}]")
+        tok = _obj(d.get("tokenizer"), "tokenizer")
+        for f in _list(tok.get("files", []), "tokenizer files"):
+            if not isinstance(f, str) or Path(f).name != f or f.startswith("."):
+                raise FormatError(f"tokenizer file {f!r} is not a plain file name"[:200])
+        tf = tuple(_obj(t, "transform") for t in _list(d.get("transforms"), "transforms"))
+        byte_totals = _obj(d.get("bytes"), "bytes")
+        for k in ("common", "embedding", "experts", "expert_blocks", "common_file", "experts_file"):
+            _int(byte_totals.get(k), f"bytes.{k}")
+        idx = _hex(d.get("index_digest"), "index_digest") if version >= 2 else ""
+        return Manifest(ModelConfig.from_dict(d.get("config")), _obj(d.get("source"), "source"),
+                        _hex(d.get("pack_digest"), "pack_digest"),
+                        _alignment(d.get("alignment")), _str(d.get("layout"), "layout"), tf, byte_totals,
+                        common, digests, tok, version, idx)
+    except FormatError as e:
+        raise FormatError(f"{where}: {e}") from None
+
+
+def _alignment(v) -> int:
+    a = _int(v, "alignment", 1, 1 << 31)
+    if a & (a - 1):
+        raise FormatError(f"alignment must be a power of two, got {a}")
+    return a
+
+
+def read_manifest(pack: Path) -> Manifest:
+    """The manifest, checked field by field; a format 2 manifest whose values were edited
+    after packing (its manifest_digest no longer matches) is refused here, so plan, run and
+    serve never act on hand-edited values. `verify` reads it without this check and reports."""
+    d = load_json(Path(pack) / MANIFEST)
+    man = manifest_from_dict(d, f"{pack}/{MANIFEST}")
+    if man.version >= 2 and d.get("manifest_digest") != manifest_digest(d):
+        raise FormatError(f"{pack}/{MANIFEST} was edited after packing (manifest_digest does not match); "
+                          "run `mawforge verify`")
+    return man
+
+
+def index_from_dict(d: dict, where: str) -> ExpertIndex:
+    try:
+        layers = tuple(LayerBlocks.from_dict(x, d["format_version"]) for x in _list(d.get("layers"), "layers"))
+        if [lb.layer for lb in layers] != list(range(len(layers))):
+            raise FormatError("layers must be listed in order 0, 1, 2, ...")
+        return ExpertIndex(_alignment(d.get("alignment")), layers)
+    except FormatError as e:
+        raise FormatError(f"{where}: {e}") from None
 
 
 def read_index(pack: Path) -> ExpertIndex:
-    d = _load_json(Path(pack) / INDEX)
-    try:
-        return ExpertIndex(int(d["alignment"]), tuple(LayerBlocks.from_dict(x) for x in d["layers"]))
-    except (KeyError, TypeError, ValueError, IndexError) as e:
-        raise FormatError(f"{pack}/{INDEX}: missing or bad field ({e})") from None
+    return index_from_dict(load_json(Path(pack) / INDEX), f"{pack}/{INDEX}")
+
+
+def compute_pack_digest(config: dict, common: tuple[TensorRecord, ...], common_digests: dict,
+                        index: ExpertIndex, version: int = FORMAT_VERSION, alignment: int = 0,
+                        layout: str = "", tokenizer_digests: dict | None = None) -> str:
+    """The pack's content identity. Format 1: config, common digests, block digests, common
+    records. Format 2 adds each layer's template digest and block offsets, the alignment, the
+    layout and the tokenizer files' digests, so no edit of what the runtime reads passes verify."""
+    pd = xxhash.xxh3_128()
+    pd.update(json.dumps(config, sort_keys=True).encode())
+    pd.update(json.dumps(common_digests, sort_keys=True).encode())
+    for lb in index.layers:
+        pd.update("".join(lb.digests).encode())
+    pd.update(json.dumps([t.to_dict() for t in common]).encode())
+    if version >= 2:
+        pd.update(canonical({"alignment": alignment, "layout": layout, "tokenizer": tokenizer_digests or {},
+                             "layers": [[lb.template_digest(), list(lb.offsets)] for lb in index.layers]}))
+    return pd.hexdigest()

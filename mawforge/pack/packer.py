@@ -29,7 +29,7 @@ from mawforge.formats import quants
 from mawforge.formats.source import ExpertTensor, Source, TensorInfo, open_source
 from mawforge.pack.directio import _ZEROS, Reader, Writer
 from mawforge.pack.manifest import (COMMON, EXPERTS, INDEX, MANIFEST, ExpertIndex, LayerBlocks,
-                                    Manifest, Part, TensorRecord, digest)
+                                    Manifest, Part, TensorRecord, compute_pack_digest, digest)
 
 CHUNK = 32 << 20
 BATCH_BYTES = 16 << 20             # source bytes of experts read per batch (per layer)
@@ -270,18 +270,27 @@ def _tokenizer(src: Source, tmp: Path) -> dict:
         tok = {k: v for k, v in src.metadata.items()
                if k.startswith("tokenizer.") or k in ("general.name", "general.architecture")}
         (tmp / "tokenizer.gguf.json").write_text(json.dumps(tok))
-        return {"kind": "gguf", "files": ["tokenizer.gguf.json"]}
-    for f in src.extra_files:
-        shutil.copyfile(f, tmp / f.name)
-    return {"kind": "hf", "files": [f.name for f in src.extra_files]}
+        files = ["tokenizer.gguf.json"]
+    else:
+        for f in src.extra_files:
+            shutil.copyfile(f, tmp / f.name)
+        files = [f.name for f in src.extra_files]
+    return {"kind": src.kind, "files": files, "digests": {f: _file_digest(tmp / f) for f in files}}
+
+
+def _file_digest(path: Path) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def pack(source: str | os.PathLike, out: str | os.PathLike, *, alignment: int = 65536,
          layout: str = "exact", force: bool = False, progress: bool = True) -> Manifest:
     out = Path(out)
     layout = quants.pack_layout(layout)
-    if out.exists() and not force:
-        raise PackExists(f"{out} exists; pass --force to replace it")
+    _check_output(out, force)
     src = open_source(source)
     plan = plan_pack(src, alignment, layout)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -299,11 +308,13 @@ def pack(source: str | os.PathLike, out: str | os.PathLike, *, alignment: int = 
         common_digests = _write_common(plan, files, tmp / COMMON, common_hasher, prog)
         layers, expert_src = _write_experts(plan, files, tmp / EXPERTS, prog)
         index = ExpertIndex(alignment, tuple(layers))
-        (tmp / INDEX).write_text(index.to_json())
+        index_json = index.to_json()
+        (tmp / INDEX).write_text(index_json)
         tok = _tokenizer(src, tmp)
         source_digest = xxhash.xxh3_128_hexdigest(
             (meta_hash.hexdigest() + common_hasher.hexdigest() + "".join(expert_src)).encode())
-        manifest = _manifest(src, plan, index, common_digests, tok, source_digest, alignment, layout)
+        manifest = _manifest(src, plan, index, common_digests, tok, source_digest, alignment, layout,
+                             digest(index_json.encode()))
         (tmp / MANIFEST).write_text(manifest.to_json())
         _fsync_dir(tmp)
         _replace(tmp, out)
@@ -319,7 +330,26 @@ def pack(source: str | os.PathLike, out: str | os.PathLike, *, alignment: int = 
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _manifest(src, plan, index, common_digests, tok, source_digest, alignment, layout) -> Manifest:
+def _check_output(out: Path, force: bool) -> None:
+    """Refuse what would fail half-way or destroy something that is not a pack."""
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise MawError(f"cannot create {out}: {parent} is a file, not a directory")
+            if not os.access(parent, os.W_OK):
+                raise MawError(f"cannot create {out}: {parent} is not writable")
+            break
+    if not out.exists() and not out.is_symlink():
+        return
+    if not out.is_dir():
+        raise PackExists(f"{out} exists and is a file, not a pack directory; choose another -o")
+    if not force:
+        raise PackExists(f"{out} exists; pass --force to replace it")
+    if any(out.iterdir()) and not (out / MANIFEST).exists():
+        raise PackExists(f"{out} is a non-empty directory that is not a pack; --force only replaces packs")
+
+
+def _manifest(src, plan, index, common_digests, tok, source_digest, alignment, layout, index_digest) -> Manifest:
     common = tuple(rec for _, rec in plan.common)
     transforms: dict[tuple[str, str], int] = {}
     for rec in common + tuple(t for lb in index.layers for t in lb.tensors):
@@ -332,15 +362,11 @@ def _manifest(src, plan, index, common_digests, tok, source_digest, alignment, l
               "experts": index.total_bytes(), "expert_block_by_layer": index.block_bytes(),
               "expert_blocks": sum(len(lb.offsets) for lb in index.layers),
               "common_file": plan.common_bytes, "experts_file": plan.experts_bytes}
-    pd = xxhash.xxh3_128()
-    pd.update(json.dumps(src.config.to_dict(), sort_keys=True).encode())
-    pd.update(json.dumps(common_digests, sort_keys=True).encode())
-    for lb in index.layers:
-        pd.update("".join(lb.digests).encode())
-    pd.update(json.dumps([t.to_dict() for t in common]).encode())
+    pack_digest = compute_pack_digest(src.config.to_dict(), common, common_digests, index, alignment=alignment,
+                                      layout=layout, tokenizer_digests=tok["digests"])
     ident = dict(src.identity(), digest=source_digest, digest_kind="xxh3-128 over metadata and every tensor's bytes")
-    return Manifest(src.config, ident, pd.hexdigest(), alignment, layout, tf, totals, common,
-                    common_digests, {**tok, "created_by": f"mawforge {__version__}"})
+    return Manifest(src.config, ident, pack_digest, alignment, layout, tf, totals, common,
+                    common_digests, {**tok, "created_by": f"mawforge {__version__}"}, index_digest=index_digest)
 
 
 def _fsync_dir(d: Path) -> None:

@@ -17,13 +17,14 @@ import os
 import socket
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -32,6 +33,7 @@ from mawforge.engine.generate import validate
 from mawforge.engine.run import add_runtime_arguments, make_recorder, runtime_options
 from mawforge.engine.speculative import add_speculative_arguments, speculator_from_args
 from mawforge.errors import BudgetRejected, MawError, RequestError
+from mawforge.serve import limits
 from mawforge.serve import protocol as P
 from mawforge.serve.chatreq import (ChatDefaults, ChatFront, Turn, finish_reason, parse_chat_options, shape_choice,
                                     stream_chunks)
@@ -59,10 +61,14 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
 
 class Api:
     def __init__(self, rt, model_id: str, worker: EngineWorker, ledger: Ledger, api_key: str | None,
-                 max_tokens_default: int, chat: ChatFront, allow_forced_output: bool = False):
+                 max_tokens_default: int, chat: ChatFront, allow_forced_output: bool = False,
+                 max_body_bytes: int = limits.MAX_BODY_BYTES):
         self.rt, self.model_id, self.worker, self.ledger = rt, model_id, worker, ledger
-        self.api_key, self.max_tokens_default = api_key, max_tokens_default
+        self.api_key, self.max_tokens_default, self.max_body_bytes = api_key, max_tokens_default, max_body_bytes
         self.front, self.allow_forced_output = chat, allow_forced_output
+        # JSON parsing and tokenization run here, off the event loop; two threads bound the CPU
+        # and memory that a burst of large bodies can take from the engine and from /health
+        self.admit_pool = ThreadPoolExecutor(2, thread_name_prefix="mawforge-admit")
         self.created = P.now()
         self.card = {"pack_digest": rt.manifest.pack_digest, "context": rt.opts.context,
                      "architecture": rt.cfg.arch, "chat_template": "model" if not chat.template.is_default
@@ -122,20 +128,23 @@ class Api:
 
     def _prompt_ids(self, req: P.ApiRequest, turn: Turn | None) -> list[int]:
         tok = self.rt.tokenizer
+        context = self.rt.opts.context
         if turn is not None:
-            return tok.encode(turn.prompt)
+            return limits.encode_bounded(tok.encode, turn.prompt, context)
         if req.prompt is not None:
-            return tok.encode(req.prompt)
+            return limits.encode_bounded(tok.encode, req.prompt, context)
         vocab = self.rt.cfg.vocab
         bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
         if bad:
             raise P.ApiError(400, f"token id {bad[0]} is outside the vocabulary of {vocab}", param="prompt")
         return list(req.prompt_ids)
 
-    def _admit(self, kind: str, rid: str, raw: bytes, request: Request) -> tuple[P.ApiRequest, Job, Turn | None]:
-        self._auth(request)
-        body = P.parse_body(raw)
+    def _prepare(self, kind: str, raw: bytes) -> tuple[P.ApiRequest, list[int], Turn | None, dict]:
+        """Off the event loop: bounded JSON parsing, the request's checks, the chat template,
+        tokenization."""
+        body = limits.parse_json(raw)
         req = P.parse_request(kind, body, self.model_id, self.max_tokens_default)
+        req = limits.check_request(req, body, self.rt.opts.context, self.rt.cfg.vocab)
         turn = self.front.prepare(parse_chat_options(body, req.messages)) if kind == "chat" else None
         try:
             ids = self._prompt_ids(req, turn)
@@ -143,6 +152,13 @@ class Api:
         except RequestError as e:
             code = "context_length_exceeded" if "context" in str(e) else None
             raise P.ApiError(400, str(e), param="messages" if kind == "chat" else "prompt", code=code) from None
+        return req, ids, turn, body
+
+    async def _admit(self, kind: str, rid: str, request: Request) -> tuple[P.ApiRequest, Job, Turn | None]:
+        self._auth(request)
+        raw = await limits.read_body(request, self.max_body_bytes)
+        req, ids, turn, body = await asyncio.get_running_loop().run_in_executor(self.admit_pool, self._prepare,
+                                                                                kind, raw)
         params, spec = self._forced(body, req)
         job = Job(rid, req.endpoint, ids, params, Channel(), stream=req.stream, speculative=spec)
         try:
@@ -172,10 +188,17 @@ class Api:
     async def _complete(self, kind: str, request: Request):
         rid = P.new_request_id(kind)
         try:
-            req, job, turn = self._admit(kind, rid, await request.body(), request)
+            req, job, turn = await self._admit(kind, rid, request)
         except P.ApiError as e:
             self.ledger.record(rid, P.ENDPOINTS[kind], e.status, error=e.message)
             return error_response(e)
+        except ClientDisconnect:             # gone while sending the body: counted, nobody to answer
+            self.ledger.record(rid, P.ENDPOINTS[kind], 499, error="client disconnected while sending the body")
+            return error_response(P.ApiError(499, "client disconnected"))
+        except Exception as e:               # a bug: still an OpenAI-schema answer, logged and counted
+            msg = f"internal error: {type(e).__name__}: {e}"[:500]
+            self.ledger.record(rid, P.ENDPOINTS[kind], 500, error=msg)
+            return error_response(P.ApiError(500, msg, type="server_error"))
         watcher = asyncio.ensure_future(_watch_disconnect(request, job))
         streaming = False
         try:
@@ -243,7 +266,7 @@ def build_app(rt, model_id: str, *, api_key: str | None = None, max_tokens_defau
               queue_size: int = 64, telemetry_log: str | None = None, generate_fn=None,
               close_timeout_s: float | None = 60.0, speculator=None, chat_template: str | None = None,
               chat_defaults: ChatDefaults | None = None, allow_forced_output: bool = False,
-              dashboard: bool = True) -> Starlette:
+              dashboard: bool = True, max_body_bytes: int = limits.MAX_BODY_BYTES) -> Starlette:
     """The ASGI app. The engine thread starts with the app's lifespan and stops with it;
     the runtime stays the caller's to close. `generate_fn` replaces engine.generate (tests).
     `chat_template` replaces the pack's template (--chat-template-file); `allow_forced_output`
@@ -255,7 +278,7 @@ def build_app(rt, model_id: str, *, api_key: str | None = None, max_tokens_defau
     if chat_template is not None:
         chat = ChatTemplate(chat_template, chat.bos, chat.eos)
     api = Api(rt, model_id, worker, ledger, api_key, max_tokens_default,
-              ChatFront(chat, chat_defaults or ChatDefaults()), allow_forced_output)
+              ChatFront(chat, chat_defaults or ChatDefaults()), allow_forced_output, max_body_bytes)
     api.prometheus = Metrics(ledger, api.gauges)
     board = Board(rt, model_id, worker, api_key) if dashboard else None
     if board is not None:
@@ -270,6 +293,7 @@ def build_app(rt, model_id: str, *, api_key: str | None = None, max_tokens_defau
             yield
         finally:
             await asyncio.to_thread(worker.close, close_timeout_s)
+            api.admit_pool.shutdown(wait=False, cancel_futures=True)
             ledger.close()
             if board is not None:
                 board.detach()
@@ -383,6 +407,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-dashboard", dest="dashboard", action="store_false",
                    help="no live dashboard at / (it is on by default; --api-key guards it too)")
     p.add_argument("--queue-size", type=int, default=64, help="requests that may wait; beyond it 429")
+    p.add_argument("--max-body-bytes", type=int, default=limits.MAX_BODY_BYTES,
+                   help="larger request bodies are refused with 413")
     p.add_argument("--shutdown-grace-s", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests may run before they are cancelled")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
@@ -418,7 +444,7 @@ def main(a: argparse.Namespace) -> int:
         model_id = a.model_id or Path(a.pack).resolve().name
         app = build_app(rt, model_id, api_key=a.api_key, max_tokens_default=a.max_tokens_default,
                         queue_size=a.queue_size, telemetry_log=a.telemetry_log, speculator=spec,
-                        dashboard=a.dashboard, **chat)
+                        dashboard=a.dashboard, max_body_bytes=a.max_body_bytes, **chat)
         announce = lambda url: print(f"mawforge serve: listening on {url} (model {model_id!r}, context "
                                      f"{opts.context}, queue {a.queue_size})"
                                      + (f"; dashboard at {url}/" if a.dashboard else ""), file=sys.stderr, flush=True)
