@@ -19,7 +19,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 from common import PY, drop_caches, machine, pack_of, run_measured, save, synth_model  # noqa: E402
 
-THREADS = 2
+THREADS = int(os.environ.get("MAWFORGE_BENCH_THREADS", "2"))   # each engine, same count
 
 
 def tokens(n: int, seed: int, vocab: int = 151000) -> list[int]:

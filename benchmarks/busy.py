@@ -1,0 +1,76 @@
+"""Decode on a busy machine: MawForge (resident, 100% cache, preloaded) and llama.cpp on the same
+shape-true GGUF, quiet and with N CPU-bound processes beside them, in the same run. Prints each
+engine's busy/quiet ratio: the share of its quiet speed it keeps when another program takes a core.
+
+    python benchmarks/busy.py [--layers 8] [--busy 1] [--decode-tokens 32] [--repeats 2]
+
+Rows alternate quiet and busy for each engine and thread count, so a slow spell of this VM hits
+both. The load is a pure-Python spin loop per busy process (one core each).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import PY, machine, pack_of, save, synth_model  # noqa: E402
+
+DECODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode.py")
+SPIN = "x = 0\nwhile True:\n    x += 1\n"
+
+
+def measure(engine: str, args: list[str], threads: int, busy: int) -> dict:
+    spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(busy)]
+    try:
+        env = dict(os.environ, MAWFORGE_BENCH_THREADS=str(threads))
+        r = subprocess.run([PY, DECODE, "worker", engine, *args], capture_output=True, text=True, env=env,
+                           timeout=1800)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
+    row = json.loads(lines[-1]) if r.returncode == 0 and lines else {"error": r.stderr[-400:]}
+    row.update(engine=engine, threads=threads, busy=busy)
+    print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--busy", type=int, default=1, help="CPU-bound processes beside the engine")
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=2)
+    a = ap.parse_args(argv)
+    gguf = synth_model(a.layers, "Q4_K_M", skew=1.0, stickiness=0.3)
+    pack = pack_of(gguf)
+    common = ["--prompt-tokens", "64", "--decode-tokens", str(a.decode_tokens), "--warmup", "4"]
+    setups = {("llama.cpp", 2): ("llama", ["--model", str(gguf)]),
+              ("mawforge", 2): ("maw", ["--pack", str(pack), "--cache-percent", "100", "--preload"]),
+              ("mawforge", 1): ("maw", ["--pack", str(pack), "--cache-percent", "100", "--preload"])}
+    rows = []
+    for _ in range(a.repeats):
+        for (name, threads), (engine, args) in setups.items():
+            for busy in (0, a.busy):
+                rows.append(measure(engine, args + common, threads, busy) | {"name": name})
+    print(f"\n# busy machine, {machine()}, {a.layers} layers, {a.busy} spinning process(es) beside")
+    print(f"{'engine':10s} {'threads':>7s} {'quiet tok/s':>11s} {'busy tok/s':>10s} {'kept':>6s}")
+    quiet2 = {}
+    for (name, threads) in setups:
+        q = [r["decode_tok_s"] for r in rows if r["name"] == name and r["threads"] == threads and r["busy"] == 0]
+        b = [r["decode_tok_s"] for r in rows if r["name"] == name and r["threads"] == threads and r["busy"]]
+        mq, mb = statistics.median(q), statistics.median(b)
+        quiet2.setdefault(name, mq)
+        print(f"{name:10s} {threads:7d} {mq:11.2f} {mb:10.2f} {mb / mq:6.2f}  (of its {threads}-thread quiet speed; "
+              f"{mb / quiet2[name]:.2f} of its first row's quiet speed)")
+    print(f"saved {save('busy', {'machine': machine(), 'rows': rows})}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
