@@ -50,24 +50,26 @@ def main(argv: list[str] | None = None) -> int:
     gguf = synth_model(a.layers, "Q4_K_M", skew=1.0, stickiness=0.3)
     pack = pack_of(gguf)
     common = ["--prompt-tokens", "64", "--decode-tokens", str(a.decode_tokens), "--warmup", "4"]
+    maw = ["--pack", str(pack), "--cache-percent", "100", "--preload"]
     setups = {("llama.cpp", 2): ("llama", ["--model", str(gguf)]),
-              ("mawforge", 2): ("maw", ["--pack", str(pack), "--cache-percent", "100", "--preload"]),
-              ("mawforge", 1): ("maw", ["--pack", str(pack), "--cache-percent", "100", "--preload"])}
+              ("mawforge fixed", 2): ("maw", maw + ["--no-thread-governor"]),
+              ("mawforge fixed", 1): ("maw", maw + ["--no-thread-governor"]),
+              ("mawforge governed", 2): ("maw", maw)}
     rows = []
     for _ in range(a.repeats):
         for (name, threads), (engine, args) in setups.items():
             for busy in (0, a.busy):
                 rows.append(measure(engine, args + common, threads, busy) | {"name": name})
     print(f"\n# busy machine, {machine()}, {a.layers} layers, {a.busy} spinning process(es) beside")
-    print(f"{'engine':10s} {'threads':>7s} {'quiet tok/s':>11s} {'busy tok/s':>10s} {'kept':>6s}")
+    print(f"{'engine':18s} {'threads':>7s} {'quiet tok/s':>11s} {'busy tok/s':>10s} {'kept':>6s}")
     quiet2 = {}
     for (name, threads) in setups:
         q = [r["decode_tok_s"] for r in rows if r["name"] == name and r["threads"] == threads and r["busy"] == 0]
         b = [r["decode_tok_s"] for r in rows if r["name"] == name and r["threads"] == threads and r["busy"]]
         mq, mb = statistics.median(q), statistics.median(b)
-        quiet2.setdefault(name, mq)
-        print(f"{name:10s} {threads:7d} {mq:11.2f} {mb:10.2f} {mb / mq:6.2f}  (of its {threads}-thread quiet speed; "
-              f"{mb / quiet2[name]:.2f} of its first row's quiet speed)")
+        quiet2.setdefault(name.split()[0], mq)
+        print(f"{name:18s} {threads:7d} {mq:11.2f} {mb:10.2f} {mb / mq:6.2f}  (of its own quiet speed; "
+              f"{mb / quiet2[name.split()[0]]:.2f} of the engine's first row's quiet speed)")
     print(f"saved {save('busy', {'machine': machine(), 'rows': rows})}")
     return 0
 

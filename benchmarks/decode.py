@@ -64,7 +64,8 @@ def work_maw(a) -> dict:
     t0 = time.perf_counter()
     rt = Runtime(a.pack, RuntimeOptions(context=512, expert_cache_percent=a.cache_percent,
                                         memory_budget_gib=a.budget_gib, prefill_chunk=64, threads=THREADS,
-                                        check_digests=False, stream_embeddings=a.stream_embeddings))
+                                        check_digests=False, stream_embeddings=a.stream_embeddings,
+                                        thread_governor=not a.no_thread_governor))
     if a.preload:
         rt.cache.preload()
     load = time.perf_counter() - t0
@@ -88,7 +89,8 @@ def work_maw(a) -> dict:
             "materialized_bytes_per_token": (s1["materialized_bytes"] - s_warm["materialized_bytes"]) / len(warm),
             "prefill_materialized_bytes": s_warm["materialized_bytes"] - s0["materialized_bytes"],
             "materialize_gb_s": s1["demand_loaded_bytes"] / max(1e-9, s1["load_seconds"]) / 1e9,
-            "expert_cache_bytes": rt.plan.E, "planned_F": rt.plan.F, "cache_percent": rt.plan.cache_percent}
+            "expert_cache_bytes": rt.plan.E, "planned_F": rt.plan.F, "cache_percent": rt.plan.cache_percent,
+            "compute_threads": rt.governor.report() if rt.governor is not None else None}
 
 
 def work_pread(a) -> dict:
@@ -196,6 +198,7 @@ def main() -> int:
         ap.add_argument("--stream-embeddings", action="store_true")
         ap.add_argument("--no-repack", action="store_true")
         ap.add_argument("--no-mmap", action="store_true")
+        ap.add_argument("--no-thread-governor", action="store_true", help="MawForge: keep every step at THREADS")
         ap.add_argument("--prompt-tokens", type=int, default=64)
         ap.add_argument("--decode-tokens", type=int, default=32)
         ap.add_argument("--warmup", type=int, default=4)

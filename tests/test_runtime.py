@@ -326,3 +326,50 @@ def test_read_stalls_in_telemetry_follow_the_reads(packs):
         rt.close()
     assert first.misses > 0 and again.misses == 0
     assert (again.decode_stall_token_share, again.decode_stall_p50_s, again.decode_stall_p95_s) == (0.0, 0.0, 0.0)
+
+
+def test_online_chooser_explores_exploits_and_probes_every_arm():
+    from mawforge.engine.online import OnlineChooser
+    c = OnlineChooser((4, 2, 1), window=2, probe_every=3)
+    speed = {4: 10.0, 2: 30.0, 1: 20.0}                       # tokens/s of each arm
+    used = []
+    for _ in range(60):
+        arm = c.mode()
+        used.append(arm)
+        c.record(arm, 1, 1 / speed[arm])
+    assert used[:6] == [4, 4, 2, 2, 1, 1]                    # each arm explored, in order
+    after = used[6::2]                                       # one entry per window after exploring
+    assert after.count(2) == len(after) - len(after) // 3   # the fastest, but for one probe in three
+    assert after.count(4) > 0 and after.count(1) > 0         # the probes go round the others
+    assert c.rate[2] == pytest.approx(30.0) and c.windows[4] + c.windows[2] + c.windows[1] == 30
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("source", ["F32", "Q4_K_M"])
+def test_thread_governor_changes_threads_not_tokens(packs, arch, source):
+    """The governor switches torch's and the kernels' thread counts between one-token decode
+    steps, whose bits do not depend on them (GEMVs and the native kernels split outputs, not
+    sums), so greedy tokens equal those of a fixed count; prefill and the end of the request
+    run at the full count. A governor forced to switch every few steps shows it."""
+    from mawforge.engine.threads import ThreadGovernor
+    from mawforge.kernels import native
+    pack = packs[(arch, source)]
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        want, _, fixed = _greedy(pack, expert_cache_percent=40, thread_governor=False)
+        assert fixed.compute_threads == {"threads": 2, "governor": False}
+        rt = _runtime(pack, expert_cache_percent=40)
+        rt.governor = ThreadGovernor(2, window=1, probe_every=1)
+        try:
+            ids = rt.tokenizer.encode("The expert cache keeps what the router asks for")
+            ev = list(generate(rt, ids, SamplingParams(max_tokens=24, ignore_eos=True)))
+        finally:
+            rt.close()
+        t = ev[-1].telemetry
+        assert [e.token for e in ev] == want
+        g = t.compute_threads
+        assert g["switches"] >= 2 and g["windows"]["2"] > 0 and g["windows"]["1"] > 0
+        assert torch.get_num_threads() == 2 and native._limit is None      # close() gives the kernels back
+    finally:
+        torch.set_num_threads(n)

@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+import torch
+
 from mawforge.engine.runtime import Runtime
 from mawforge.engine.sampling import Sampler, SamplingParams
 from mawforge.engine.speculative import PlainDecoder
@@ -109,6 +111,8 @@ def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
                     decoder.finish(used)
                     tele = _telemetry(rt, len(prompt), n, t0, t_first, before, emb_before, reason)
                     tele.set_stalls(stalls)
+                    tele.compute_threads = (rt.governor.report() if rt.governor is not None
+                                            else {"threads": torch.get_num_threads(), "governor": False})
                     tele.speculative = decoder.report() or tele.speculative
                     tele.planned_draft_bytes = tele.speculative.get("draft", {}).get("planned_bytes", 0)
                     tele.planned_footprint_bytes += tele.planned_draft_bytes

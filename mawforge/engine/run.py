@@ -18,7 +18,10 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch", default=None, help="prefetch policy, e.g. confidence:0.2 (default none)")
     p.add_argument("--lookahead", action="store_true", help="prefetch next layer's experts by router lookahead")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch compute threads")
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: torch's, the cores)")
+    p.add_argument("--no-thread-governor", action="store_true",
+                   help="keep every decode step at --threads (default: the kernels' thread count follows "
+                        "measured speed, fewer when another program takes a core)")
     p.add_argument("--prefill-chunk", type=int, default=128)
     p.add_argument("--no-direct-io", action="store_true", help="buffered reads instead of O_DIRECT")
     p.add_argument("--trace-out", default=None, help="write the route trace (.npz) here")
@@ -31,7 +34,7 @@ def runtime_options(a: argparse.Namespace, reserved_bytes: int = 0):
                           policy=a.policy, prefetch=a.prefetch, device=a.device,
                           stream_embeddings=a.stream_embeddings, kv_dtype=a.kv_dtype,
                           direct_io=not a.no_direct_io, prefill_chunk=a.prefill_chunk, threads=a.threads,
-                          lookahead=a.lookahead)
+                          lookahead=a.lookahead, thread_governor=not a.no_thread_governor)
 
 
 def make_recorder(a: argparse.Namespace):

@@ -2,6 +2,7 @@
 the KV cache, the model and the tokenizer — behind one `forward` that the generator uses."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,9 +11,11 @@ import torch
 from mawforge.cache.expert_cache import ExpertCache
 from mawforge.cache.store import ExpertStore
 from mawforge.engine.kv import KVCache
+from mawforge.engine.threads import ThreadGovernor
 from mawforge.engine.tokenizer import load_tokenizer
 from mawforge.engine.weights import CommonWeights
 from mawforge.errors import BudgetRejected, FormatError, RequestError
+from mawforge.kernels import native
 from mawforge.models import model_class
 from mawforge.pack.manifest import read_index, read_manifest
 from mawforge.plan import GiB, PackFacts, framework_in_process, make_plan
@@ -34,6 +37,7 @@ class RuntimeOptions:
     io_threads: int = 4
     prefill_chunk: int = 128
     threads: int | None = None
+    thread_governor: bool = True       # decode steps choose the kernels' thread count by measured speed
     lookahead: bool = False            # next-layer router lookahead prefetch (live only)
     reserved_bytes: int = 0            # a draft model's L in this process: the target plans in the rest
 
@@ -78,6 +82,9 @@ class Runtime:
         # called (tokens done, tokens in all) after each chunk of a run longer than one chunk:
         # `mawforge run` draws prefill progress with it on a terminal
         self.on_chunk = None
+        threads = torch.get_num_threads()
+        self.governor = (ThreadGovernor(threads) if opts.thread_governor and threads > 1
+                         and self.device.type == "cpu" and native.available() else None)
 
     def _lookahead(self, layer: int, x: torch.Tensor) -> None:
         """Apply layer+1's router to layer's FFN input and prefetch what it would pick."""
@@ -100,6 +107,11 @@ class Runtime:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary of {self.cfg.vocab}")
         outs = []
         step = self.opts.prefill_chunk
+        gov = self.governor if kind == "decode" and len(tokens) == 1 else None
+        if gov is not None:
+            threads, waited, t0 = gov.before_step(), self.cache.read_wait_seconds(), time.perf_counter()
+        elif self.governor is not None:
+            self.governor.release()
         with torch.inference_mode():
             for i in range(0, len(tokens), step):
                 chunk = tokens[i:i + step]
@@ -111,9 +123,14 @@ class Runtime:
                 outs.append(logits)
                 if self.on_chunk is not None and len(tokens) > step:
                     self.on_chunk(i + len(chunk), len(tokens))
+        if gov is not None:
+            gov.after_step(threads, len(tokens),
+                           time.perf_counter() - t0 - (self.cache.read_wait_seconds() - waited))
         return torch.cat(outs) if all_logits else outs[-1]
 
     def close(self) -> None:
+        if self.governor is not None:
+            self.governor.close()
         self.cache.close()
         self.store.close()
         self.weights.close()

@@ -20,6 +20,7 @@ import copy
 import numpy as np
 
 from mawforge.cache.core import RouteDriver
+from mawforge.engine.online import OnlineChooser
 
 COUNTERS = ("hits", "misses", "evictions", "materialized_bytes", "prefetch_issued_bytes")
 
@@ -87,48 +88,13 @@ class Counterfactual:
         return delta(counters(self.core), before)
 
 
-class AutoController:
-    """Chooses 'spec' or 'plain' per window of `window` emitted tokens. Each mode's tokens/s is
-    an exponential moving average over its windows (time measured inside the engine only, so
-    materialization stalls count against the mode that caused them). It explores both modes
-    first, then runs the faster one, re-probing the slower one window in every `probe_every`
-    so a shift in route locality or acceptance is noticed."""
-
-    MODES = ("spec", "plain")
+class AutoController(OnlineChooser):
+    """Chooses 'spec' or 'plain' per window of `window` emitted tokens by tokens/s (time measured
+    inside the engine only, so materialization stalls count against the mode that caused them):
+    both explored first, then the faster run, the slower re-probed one window in `probe_every`."""
 
     def __init__(self, window: int = 8, probe_every: int = 4, alpha: float = 0.5) -> None:
-        self.window, self.probe_every, self.alpha = window, probe_every, alpha
-        self.rate: dict[str, float | None] = {m: None for m in self.MODES}
-        self.windows = {m: 0 for m in self.MODES}
-        self.current = "spec"
-        self._tokens, self._seconds, self._since_probe = 0, 0.0, 0
-
-    def mode(self) -> str:
-        return self.current
-
-    def record(self, mode: str, tokens: int, seconds: float) -> None:
-        self._tokens += tokens
-        self._seconds += seconds
-        if self._tokens < self.window:
-            return
-        rate = self._tokens / max(self._seconds, 1e-9)
-        old = self.rate[mode]
-        self.rate[mode] = rate if old is None else self.alpha * rate + (1 - self.alpha) * old
-        self.windows[mode] += 1
-        self._tokens, self._seconds = 0, 0.0
-        self.current = self._next()
-
-    def _next(self) -> str:
-        unknown = [m for m in self.MODES if self.rate[m] is None]
-        if unknown:
-            return unknown[0]
-        best = max(self.MODES, key=lambda m: self.rate[m])
-        other = "plain" if best == "spec" else "spec"
-        self._since_probe += 1
-        if self._since_probe >= self.probe_every:
-            self._since_probe = 0
-            return other
-        return best
+        super().__init__(("spec", "plain"), window, probe_every, alpha)
 
     def report(self) -> dict:
         return {"window_tokens": self.window, "spec_tok_s": self.rate["spec"], "plain_tok_s": self.rate["plain"],

@@ -15,8 +15,7 @@ from pathlib import Path
 import xxhash
 
 from mawforge.errors import FormatError
-from mawforge.pack.manifest import (COMMON, EXPERTS, INDEX, MANIFEST, compute_pack_digest, digest,
-                                    index_from_dict, load_json, manifest_digest, manifest_from_dict)
+from mawforge.pack.manifest import (COMMON, EXPERTS, INDEX, MANIFEST, compute_pack_digest, index_from_dict, load_json, manifest_digest, manifest_from_dict)
 
 CHUNK = 4 << 20      # the most verify ever holds of a file at once
 
@@ -99,7 +98,7 @@ def _check_json(pack: Path, raw_man: dict, man, index, rep: VerifyReport) -> Non
     want = compute_pack_digest(man.config.to_dict(), man.common, man.common_digests, index, man.version,
                                man.alignment, man.layout, man.tokenizer.get("digests"))
     if want != man.pack_digest:
-        rep.problems.append(f"pack_digest does not match the manifest and index contents")
+        rep.problems.append("pack_digest does not match the manifest and index contents")
 
 
 def _file_digest(path: Path) -> str:

@@ -151,9 +151,20 @@ def simd() -> bool:
     return bool(lib and lib.simd_path())
 
 
+_limit: int | None = None
+
+
+def set_thread_limit(n: int | None) -> None:
+    """Cap the kernels' own team at n threads (None: torch's count). Torch's thread count and
+    its float results are not touched, and the kernels' results do not depend on the count
+    (each thread computes whole output rows): a governor can change it between steps."""
+    global _limit
+    _limit = n
+
+
 def _sync_threads(lib) -> None:
     global _threads
-    nt = torch.get_num_threads()
+    nt = torch.get_num_threads() if _limit is None else max(1, min(_limit, torch.get_num_threads()))
     if nt != _threads:
         lib.set_threads(nt)
         _threads = nt

@@ -22,6 +22,9 @@
 #include <string.h>
 #include <omp.h>
 
+static int g_team = 0;     /* 0: the OpenMP default */
+static inline int team_size(void) { return g_team > 0 ? g_team : omp_get_max_threads(); }
+
 enum { T_Q4_0 = 2, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 enum { QK = 256, Q80 = 32 };
 
@@ -216,6 +219,7 @@ static inline void k_scales(const uint8_t *q, uint8_t sc[8], uint8_t mn[8]) {
 /* ---- block dot products: one weight row (nb blocks) . one quantized row ------------------- */
 #ifdef __AVX2__
 #include <immintrin.h>
+
 
 static inline float hsum_ps(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -533,7 +537,7 @@ int qgemm(int type, const float *x, int M, int K, const uint8_t *w, int N, float
     uint8_t *buf = scratch_for(qb * (size_t)M);
     if (!buf) return -2;
     const dot4_fn dot4 = dot4_for(type);
-    #pragma omp parallel
+    #pragma omp parallel num_threads(team_size())
     {
         #pragma omp for schedule(static)
         for (int m = 0; m < M; m++) quant_row(type, x + (long)m * K, K, qrow_at(buf + qb * m, K));
@@ -577,7 +581,7 @@ int moe_ffn(const float *x, int M, int C, int F, int E,
     uint8_t *xg = buf, *xu = two ? buf + qc * M : buf;
     float *h = (float *)(buf + qc * M * (1 + two));
     uint8_t *hq = (uint8_t *)(h + (size_t)P * F);
-    #pragma omp parallel
+    #pragma omp parallel num_threads(team_size())
     {
         #pragma omp for schedule(static)
         for (int m = 0; m < M; m++) {
@@ -645,7 +649,10 @@ int quantize_acts(int type, const float *x, int K, int8_t *q, float *d, int16_t 
     return 0;
 }
 
-void set_threads(int n) { omp_set_num_threads(n); }
+/* The kernels' own team size, apart from torch's: omp_set_num_threads would change the count
+   torch's parallel regions use on this thread too, and torch's float GEMMs do not give the same
+   bits at every thread count. The kernels here do (each thread owns whole output rows). */
+void set_threads(int n) { g_team = n; }
 
 /* ---- the small per-layer ops of a decode step, as one call each ---------------------------- */
 
