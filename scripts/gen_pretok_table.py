@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import sys
-import tarfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -22,11 +21,8 @@ FLAGS = ("ignore_merges", "add_bos", "escape_whitespaces", "special_bos_id")
 def read_source(arg: str | None) -> str:
     if arg:
         return Path(arg).read_text()
-    import llama_wheel
-    src = llama_wheel.sdist(str(Path(sys.executable).with_name("pip")))
-    with tarfile.open(src) as tf:
-        name = next(n for n in tf.getnames() if n.endswith(MEMBER))
-        return tf.extractfile(name).read().decode()
+    from mawforge.fixtures.sdist import member_text
+    return member_text(MEMBER)
 
 
 def regex_table(src: str) -> list[tuple[list[str], list[str], bool]]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import re
 import sys
-import tarfile
 import zlib
 from array import array
 from pathlib import Path
@@ -22,11 +21,8 @@ MEMBER = "vendor/llama.cpp/src/unicode-data.cpp"
 def read_source(arg: str | None) -> str:
     if arg:
         return Path(arg).read_text()
-    import llama_wheel
-    src = llama_wheel.sdist(str(Path(sys.executable).with_name("pip")))
-    with tarfile.open(src) as tf:
-        name = next(n for n in tf.getnames() if n.endswith(MEMBER))
-        return tf.extractfile(name).read().decode()
+    from mawforge.fixtures.sdist import member_text
+    return member_text(MEMBER)
 
 
 def main() -> None:

@@ -32,6 +32,15 @@ def digest(data) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
+def file_digest(path: Path, chunk: int = 4 << 20) -> str:
+    """xxh3-128 of a whole file, read `chunk` bytes at a time (the tokenizer files' digests)."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
 def canonical(obj) -> bytes:
     """The bytes a JSON value's digest is taken over: sorted keys, no whitespace."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()

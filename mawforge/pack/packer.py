@@ -29,7 +29,7 @@ from mawforge.formats import quants
 from mawforge.formats.source import ExpertTensor, Source, TensorInfo, open_source
 from mawforge.pack.directio import _ZEROS, Reader, Writer
 from mawforge.pack.manifest import (COMMON, EXPERTS, INDEX, MANIFEST, ExpertIndex, LayerBlocks,
-                                    Manifest, Part, TensorRecord, compute_pack_digest, digest)
+                                    Manifest, Part, TensorRecord, compute_pack_digest, digest, file_digest)
 
 CHUNK = 32 << 20
 BATCH_BYTES = 16 << 20             # source bytes of experts read per batch (per layer)
@@ -275,15 +275,7 @@ def _tokenizer(src: Source, tmp: Path) -> dict:
         for f in src.extra_files:
             shutil.copyfile(f, tmp / f.name)
         files = [f.name for f in src.extra_files]
-    return {"kind": src.kind, "files": files, "digests": {f: _file_digest(tmp / f) for f in files}}
-
-
-def _file_digest(path: Path) -> str:
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+    return {"kind": src.kind, "files": files, "digests": {f: file_digest(tmp / f) for f in files}}
 
 
 def pack(source: str | os.PathLike, out: str | os.PathLike, *, alignment: int = 65536,

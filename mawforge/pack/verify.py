@@ -15,7 +15,8 @@ from pathlib import Path
 import xxhash
 
 from mawforge.errors import FormatError
-from mawforge.pack.manifest import (COMMON, EXPERTS, INDEX, MANIFEST, compute_pack_digest, index_from_dict, load_json, manifest_digest, manifest_from_dict)
+from mawforge.pack.manifest import (COMMON, EXPERTS, INDEX, MANIFEST, compute_pack_digest, file_digest,
+                                    index_from_dict, load_json, manifest_digest, manifest_from_dict)
 
 CHUNK = 4 << 20      # the most verify ever holds of a file at once
 
@@ -80,7 +81,7 @@ def _check_json(pack: Path, raw_man: dict, man, index, rep: VerifyReport) -> Non
     else:
         if raw_man.get("manifest_digest") != manifest_digest(raw_man):
             rep.problems.append(f"{MANIFEST} was edited (its manifest_digest does not match its contents)")
-        if _file_digest(pack / INDEX) != man.index_digest:
+        if file_digest(pack / INDEX) != man.index_digest:
             rep.problems.append(f"{INDEX} does not match the index_digest in {MANIFEST}")
         for lb in index.layers:
             if lb.template_digest() != lb.tensors_digest:
@@ -93,20 +94,12 @@ def _check_json(pack: Path, raw_man: dict, man, index, rep: VerifyReport) -> Non
             path = pack / str(name)
             if Path(str(name)).name != name or not path.is_file():
                 rep.problems.append(f"tokenizer file {name} is missing")
-            elif _file_digest(path) != want:
+            elif file_digest(path) != want:
                 rep.problems.append(f"tokenizer file {name} is damaged (digest mismatch)")
     want = compute_pack_digest(man.config.to_dict(), man.common, man.common_digests, index, man.version,
                                man.alignment, man.layout, man.tokenizer.get("digests"))
     if want != man.pack_digest:
         rep.problems.append("pack_digest does not match the manifest and index contents")
-
-
-def _file_digest(path: Path) -> str:
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _open(path: Path, rep: VerifyReport) -> tuple[int, int] | None:
