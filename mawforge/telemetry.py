@@ -75,6 +75,8 @@ class Telemetry:
     decode_stall_token_share: float = 0.0   # decode tokens whose step waited on an expert read
     decode_stall_p50_s: float = 0.0     # median wait of the decode steps that waited
     decode_stall_p95_s: float = 0.0     # 95th percentile of those waits
+    prefill_read_bytes: int = 0         # expert bytes read from the pack during prefill
+    prefill_needed_bytes: int = 0       # bytes of the distinct blocks the prompt routed to
     compute_threads: dict = field(default_factory=dict)   # the thread governor's state (engine/threads.py)
     expert_cache_bytes: int = 0         # the cache's budget E
     expert_cache_held_bytes: int = 0    # slot bytes actually held

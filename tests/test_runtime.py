@@ -373,3 +373,26 @@ def test_thread_governor_changes_threads_not_tokens(packs, arch, source):
         assert torch.get_num_threads() == 2 and native._limit is None      # close() gives the kernels back
     finally:
         torch.set_num_threads(n)
+
+
+def test_prefill_bytes_read_against_the_bytes_its_experts_need(packs):
+    """From an empty cache each block the prompt routes to is read at least once: at a whole
+    cache exactly once; at the smallest cache, chunks that evict each other read more; a
+    repeated request with the whole model resident reads nothing though it needs the same."""
+    pack = packs[("qwen3_moe", "Q4_K_M")]
+    index = read_index(pack)
+    minimum = max(-(-lb.block_nbytes // 4096) * 4096 for lb in index.layers) * 2
+    prompt = list(range(3, 83))                              # 80 tokens: 5 chunks of 16
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    for kw in (dict(expert_cache_percent=100), dict(expert_cache_gib=minimum / 2**30)):
+        rt = _runtime(pack, **kw)
+        try:
+            first = list(generate(rt, prompt, params))[-1].telemetry
+            again = list(generate(rt, prompt, params))[-1].telemetry
+        finally:
+            rt.close()
+        assert first.prefill_needed_bytes == again.prefill_needed_bytes > 0
+        if "expert_cache_percent" in kw:
+            assert first.prefill_read_bytes == first.prefill_needed_bytes and again.prefill_read_bytes == 0
+        else:
+            assert first.prefill_read_bytes > first.prefill_needed_bytes

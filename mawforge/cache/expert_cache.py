@@ -54,6 +54,7 @@ class ExpertCache:
         self.load_seconds = 0.0             # wall time spent waiting on demand loads
         self.prefetch_stall_seconds = 0.0   # wall time computing waited on in-flight prefetches
         self.demand_loaded_bytes = 0
+        self.prefill_keys: set[Key] = set()  # distinct blocks prefill steps routed to (reset per request)
         self._templates = [[(t.name, t.codec, QT[t.qtype], tuple(t.shape),
                              [p.offset for p in t.parts],
                              [quants.PartSpec(p.name, p.dtype, p.shape) for p in t.parts])
@@ -150,6 +151,8 @@ class ExpertCache:
             self.recorder.record(layer, idx_np, w_np)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         for group in self.driver.layer(layer, idx_np, w_np):
+            if self.driver.kind == "prefill":
+                self.prefill_keys.update(group.keys)
             for key in group.evicted:
                 self._release(key)
             if group.misses:
@@ -224,6 +227,11 @@ class ExpertCache:
     def lookahead(self, keys: list[Key]) -> None:
         """Live-only prefetch (e.g. next-layer router lookahead), through the same budget."""
         self._run_prefetch(self.driver.prefetch(keys))
+
+    def prefill_needed_bytes(self) -> int:
+        """Bytes of the distinct blocks prefill routed to since `prefill_keys` was cleared: what
+        a prefill that read each needed block once would read."""
+        return sum(self.slot_bytes[layer] for layer, _ in self.prefill_keys)
 
     def read_wait_seconds(self) -> float:
         """Wall time the compute has waited on expert reads so far: demand loads of misses plus

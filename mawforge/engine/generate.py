@@ -79,7 +79,9 @@ def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
     emb_before = rt.weights.embedding_bytes_read
     t0 = time.perf_counter()
     rt.reset()
+    rt.cache.prefill_keys.clear()
     logits = rt.forward(prompt)[-1]
+    prefill_read = rt.cache.stats()["materialized_bytes"] - before["materialized_bytes"]
     decoder = speculative.decoder(prompt, params, sampler) if speculative is not None else PlainDecoder(rt, sampler)
     stalls = StallMeter()
     try:
@@ -111,6 +113,7 @@ def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
                     decoder.finish(used)
                     tele = _telemetry(rt, len(prompt), n, t0, t_first, before, emb_before, reason)
                     tele.set_stalls(stalls)
+                    tele.prefill_read_bytes, tele.prefill_needed_bytes = prefill_read, rt.cache.prefill_needed_bytes()
                     tele.compute_threads = (rt.governor.report() if rt.governor is not None
                                             else {"threads": torch.get_num_threads(), "governor": False})
                     tele.speculative = decoder.report() or tele.speculative
