@@ -22,11 +22,11 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from mawforge.byte_rules import is_dense, round_page
 from mawforge.errors import BudgetRejected, FormatError
 from mawforge.pack.manifest import read_index, read_manifest
 
 GiB = 1 << 30
-PAGE = 4096
 RUNTIME_GROWTH_BYTES = 32 << 20   # first-forward growth after imports (32-49 MiB measured)
 FRAMEWORK_BYTES = 260 << 20   # RSS after `import torch` and the runtime (229-233 MiB measured) + first-forward slack
 DEQUANT_TILE_BYTES = 3 * (1 << 18) * 4
@@ -34,18 +34,6 @@ DEQUANT_TILE_BYTES = 3 * (1 << 18) * 4
 # 4.1-4.7 KiB; counted for every block of the pack, the most the cache can hold
 SLOT_OBJECT_BYTES = 6 << 10
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_DENSE_SUFFIXES = ("_norm.weight", ".bias", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight",
-                   # delta-net and Gemma 4 vectors (same tuple as engine/weights.py)
-                   "_norm_1.weight", "_norm_2.weight", "norm.weight", ".scale", "ssm_a", "ssm_a_log",
-                   "ssm_conv1d.weight", "layer_output_scale.weight", "rope_freqs.weight",
-                   # gpt-oss sinks; DeepSeek MLA up-projections, used per head (absorbed)
-                   "attn_sinks.weight", "attn_kv_b.weight", "attn_k_b.weight", "attn_v_b.weight")
-
-
-def _round_page(n: int) -> int:
-    return -(-n // PAGE) * PAGE
-
-
 @dataclass(frozen=True)
 class PackFacts:
     """What the planner needs from a pack, read from manifest.json and experts.index."""
@@ -81,7 +69,7 @@ class PackFacts:
         c = man.config
         dense = 0
         for r in man.common:
-            if r.name.endswith(_DENSE_SUFFIXES):
+            if is_dense(r.name):
                 n = 1
                 for s in r.shape:
                     n *= s
@@ -92,7 +80,7 @@ class PackFacts:
         return cls(c.arch, c.n_layers, c.n_experts, c.top_k, c.hidden, c.n_heads, c.n_kv_heads,
                    c.head_dim, c.vocab, c.expert_ff, int(man.byte_totals["common_file"]),
                    emb.nbytes if emb else 0, dense,
-                   tuple(_round_page(lb.block_nbytes) for lb in index.layers), all_f32, man.pack_digest,
+                   tuple(round_page(lb.block_nbytes) for lb in index.layers), all_f32, man.pack_digest,
                    tuple(c.extra.get("kv_layers") or ()))
 
 

@@ -15,14 +15,9 @@ from pathlib import Path
 
 import torch
 
+from mawforge.byte_rules import PAGE, round_page  # noqa: F401  (re-exported)
 from mawforge.errors import IntegrityError
 from mawforge.pack.manifest import EXPERTS, ExpertIndex, digest
-
-PAGE = 4096
-
-
-def round_page(n: int) -> int:
-    return -(-n // PAGE) * PAGE
 
 
 def aligned_buffer(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from mawforge.byte_rules import is_dense
 from mawforge.cache.store import aligned_buffer
 from mawforge.errors import IntegrityError
 from mawforge.formats import quants
@@ -20,12 +21,6 @@ from mawforge.kernels import embedding_rows
 from mawforge.pack.manifest import COMMON, Manifest, TensorRecord, digest
 
 EMBEDDING, OUTPUT = "token_embd.weight", "output.weight"
-_DENSE_SUFFIXES = ("_norm.weight", ".bias", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight",
-                   # delta-net and Gemma 4 vectors (same tuple as plan.py)
-                   "_norm_1.weight", "_norm_2.weight", "norm.weight", ".scale", "ssm_a", "ssm_a_log",
-                   "ssm_conv1d.weight", "layer_output_scale.weight", "rope_freqs.weight",
-                   # gpt-oss sinks; DeepSeek MLA up-projections, used per head (absorbed)
-                   "attn_sinks.weight", "attn_kv_b.weight", "attn_k_b.weight", "attn_v_b.weight")
 
 
 def _as2d(shape) -> tuple[int, int]:
@@ -65,7 +60,7 @@ class CommonWeights:
                 continue
             w = self._view(r)
             self._packed[name] = w
-            if name.endswith(_DENSE_SUFFIXES):
+            if is_dense(name):
                 d = quants.dequantize(w).reshape(r.shape).float().to(device)
                 self._dense[name] = d
                 self.resident_bytes += d.nbytes
