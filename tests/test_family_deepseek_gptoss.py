@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mawforge.engine.kv import KVCache
+from mawforge.models.kv import KVCache
 from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.errors import UnsupportedError
 from mawforge.fixtures import families_ds_oss as fx

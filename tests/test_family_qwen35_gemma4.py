@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from mawforge.engine.generate import generate
-from mawforge.engine.kv import KVCache
 from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.engine.sampling import SamplingParams
 from mawforge.errors import UnsupportedError

@@ -11,7 +11,7 @@ import torch
 
 from helpers import sample_outputs
 from mawforge.engine.generate import generate
-from mawforge.engine.kv import KVCache
+from mawforge.models.kv import KVCache
 from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.engine.sampling import Sampler, SamplingParams
 from mawforge.engine.speculative import SpecOptions, Speculator

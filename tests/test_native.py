@@ -1,6 +1,5 @@
 """The native kernels on GGUF blocks: exact integer arithmetic on q8-quantized activations (as
 llama.cpp's CPU backend), the activation quantizers, the fused expert call, and the dispatch."""
-import json
 import os
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from gguf import quants as gq
 from helpers import C_COMPILER as C_COMPILER_PATH
 from helpers import needs_avx2, needs_cc
 from mawforge.formats import quants
-from mawforge.kernels import cpu, dequant, native
+from mawforge.kernels import cpu, native
 from bounds import (ACT_SCALE_REL, NATIVE_REORDER_ATOL_OF_MAX, NATIVE_REORDER_RTOL, Q8_ACTIVATION_REL,
                     RMS_NORM_TOL)
 

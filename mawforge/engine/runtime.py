@@ -10,7 +10,7 @@ import torch
 
 from mawforge.cache.expert_cache import ExpertCache
 from mawforge.cache.store import ExpertStore
-from mawforge.engine.kv import KVCache
+from mawforge.models.kv import KVCache
 from mawforge.engine.threads import ThreadGovernor
 from mawforge.engine.tokenizer import load_tokenizer
 from mawforge.engine.weights import CommonWeights

@@ -1,7 +1,7 @@
 """Config readers for DeepSeek V2/V3 (llama.cpp arch `deepseek2`) and GPT-OSS (`gpt-oss`):
 raw HF config.json or GGUF metadata -> ModelConfig field overrides, `extra` included. Torch-free.
 
-extra keys (read by mawforge/models/deepseek2.py, gptoss.py, engine/kv.py and plan.py):
+extra keys (read by mawforge/models/deepseek2.py, gptoss.py, models/kv.py and plan.py):
   kv_layers      per layer what it keeps between steps: {"kind": "latent", "dim": r + d_rope}
                  (MLA: the compressed latent and the shared rope key, one row per position) or
                  {"kind": "kv", "kv_heads", "head_dim"[, "window"]}

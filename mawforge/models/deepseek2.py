@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from mawforge.engine.kv import KVCache
+from mawforge.models.kv import KVCache
 from mawforge.formats.families_ds_oss import yarn_mscale
 from mawforge.kernels import linear
 from mawforge.models.base import MoETransformer, Rope, rms_norm

@@ -77,7 +77,7 @@ class DeltaNetMixer:
         return self._a[layer]
 
     def __call__(self, layer: int, x: torch.Tensor, state: list[torch.Tensor], trail: list | None = None) -> torch.Tensor:
-        """trail: the KV cache's recorder for this layer (engine/kv.py) while a rollback mark is set;
+        """trail: the KV cache's recorder for this layer (models/kv.py) while a rollback mark is set;
         the chunk leaves its recurrence inputs there so the state can be replayed to any prefix."""
         p, T = f"blk.{layer}.", x.shape[0]
         hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from mawforge.engine.kv import KVCache
+from mawforge.models.kv import KVCache
 from mawforge.formats import quants
 from mawforge.models.base import swiglu_expert
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from mawforge.engine.kv import KVCache
+from mawforge.models.kv import KVCache
 from mawforge.kernels import linear
 from mawforge.models.base import MoETransformer, attend, rms_norm, rope_rotate, route_softmax_topk
 from mawforge.models.deltanet import DeltaNetMixer
