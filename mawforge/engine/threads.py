@@ -23,7 +23,7 @@ from mawforge.kernels import native
 
 
 class ThreadGovernor:
-    def __init__(self, max_threads: int, window: int = 8, probe_every: int = 16) -> None:
+    def __init__(self, max_threads: int, window: int = 8, probe_every: int = 32) -> None:
         self.max_threads = max_threads
         self.chooser = OnlineChooser(tuple(range(max_threads, 0, -1)), window, probe_every)
         self.switches, self._last = 0, None
