@@ -3,12 +3,12 @@ chosen online by measured speed, so that decode follows the cores actually free.
 
 On a 2-core machine with one core taken by another program, every OpenMP barrier waits for the
 thread that lost its core: measured (benchmarks/busy.py, 8-layer shape-true file) two threads
-keep 34% of their quiet speed where one thread keeps 59% of it. Quiet, two threads are 1.7x one.
+keep 27-34% of their quiet speed where one thread keeps 57-59% of it. Quiet, two threads are 1.7x one.
 So the governor explores each count, runs the fastest, and re-probes the others one window in
 `probe_every` (the same OnlineChooser as `auto` speculation). It governs one-token decode steps
 only, torch's threads and the native kernels' alike (torch's idle OpenMP workers spin and take
 the free core otherwise: governing the kernels alone kept 0.28 of quiet speed, fixed 1 thread
-0.52). A one-token step gives the same bits at any thread count (tested on every fixture
+0.57). A one-token step gives the same bits at any thread count (tested on every fixture
 family, F32 to Q4_K_M: GEMVs and the native kernels split outputs, not sums); prefill and
 verify steps are GEMMs that would not, so they always run at the full count (`release`).
 The time measured is a step's wall time less its expert-read waits, so a cold cache does not
