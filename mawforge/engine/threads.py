@@ -1,5 +1,5 @@
-"""The compute-thread governor: how many threads the native kernels use for decode steps,
-chosen online by measured speed, so that decode follows the cores actually free.
+"""The compute-thread governor: how many threads one-token decode steps use (torch's and the
+native kernels'), chosen online by measured speed, so that decode follows the cores actually free.
 
 On a 2-core machine with one core taken by another program, every OpenMP barrier waits for the
 thread that lost its core: measured (benchmarks/busy.py, 8-layer shape-true file) two threads
