@@ -160,6 +160,8 @@ def decode_tok_s(url: str, tokens: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", type=Path, default=Path("bench-runs/dashboard"))
+    ap.add_argument("--pack", type=Path, default=None,
+                    help="an existing pack (e.g. a shape-true one) instead of the tiny synthetic pack")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--cache-percent", type=float, default=30)
@@ -178,7 +180,7 @@ def main() -> int:
     from mawforge.engine.runtime import Runtime, RuntimeOptions
     from mawforge.serve.app import ServerThread, build_app
     a.root.mkdir(parents=True, exist_ok=True)
-    pack = make_pack(a.root, a.layers, a.experts)
+    pack = a.pack or make_pack(a.root, a.layers, a.experts)
     opts = RuntimeOptions(context=a.tokens + 64, expert_cache_percent=a.cache_percent, threads=a.threads)
     rts = {name: Runtime(pack, opts) for name in ("off", "on")}
     apps = {"off": build_app(rts["off"], "bench", dashboard=False), "on": build_app(rts["on"], "bench")}
