@@ -191,7 +191,10 @@ class Plan:
 def make_plan(f: PackFacts, *, memory_budget_gib: float | None = None, context: int = 4096,
               expert_cache_percent: float | None = None, expert_cache_gib: float | None = None,
               stream_embeddings: bool = False, kv_dtype: str | None = None, prefill_chunk: int = 128,
-              budget_source: str = "--memory-budget-gib", framework_bytes: int | None = None) -> Plan:
+              budget_source: str = "--memory-budget-gib", framework_bytes: int | None = None,
+              extra_overhead_bytes: int = 0) -> Plan:
+    """extra_overhead_bytes: memory the caller's own features hold beside the runtime (the
+    serve dashboard's kept route traces), counted in O."""
     if context < 1:
         raise FormatError(f"context must be positive, got {context}")
     if expert_cache_percent is not None and expert_cache_gib is not None:
@@ -200,7 +203,7 @@ def make_plan(f: PackFacts, *, memory_budget_gib: float | None = None, context: 
         raise FormatError(f"--expert-cache-percent must be in (0, 100], got {expert_cache_percent}")
     kvd = kv_dtype_for(f, kv_dtype)
     C = f.common_file_bytes - (f.embedding_bytes if stream_embeddings else 0) + f.dense_copy_bytes
-    K, O = kv_bytes(f, context, kvd), overhead_bytes(f, context, prefill_chunk, framework_bytes)
+    K, O = kv_bytes(f, context, kvd), overhead_bytes(f, context, prefill_chunk, framework_bytes) + extra_overhead_bytes
     budget = int(memory_budget_gib * GiB) if memory_budget_gib is not None else None
     total = f.expert_bytes
     if expert_cache_gib is not None:

@@ -121,3 +121,20 @@ def test_cache_sized_from_the_budget_leaves_room_for_the_draft(packs, facts):
     t = d["target"]
     assert d["feasible"] and "less the draft" in t["budget_source"] and 45 < t["cache_percent"] < 55
     assert abs(t["E"] - (int(budget * GiB) - draft_L - t["C"] - t["K"] - t["O"])) <= 1
+
+
+def test_memory_held_beside_the_runtime_is_planned_in_o(packs):
+    """serve's dashboard keeps at most KEEP_TRACES route traces of MAX_TRACE_ROWS rows (k int16
+    experts and k float32 weights a row): serve plans that bound in O, so F still covers it."""
+    from mawforge.serve.dashboard import KEEP_TRACES, MAX_TRACE_ROWS, kept_trace_bytes
+    facts = PackFacts.from_pack(packs[("qwen3_moe", "Q4_K_M")])
+    extra = kept_trace_bytes(facts.top_k)
+    assert extra == KEEP_TRACES * MAX_TRACE_ROWS * facts.top_k * (2 + 4)
+    base = make_plan(facts, memory_budget_gib=1, context=512, expert_cache_percent=25)
+    more = make_plan(facts, memory_budget_gib=1, context=512, expert_cache_percent=25, extra_overhead_bytes=extra)
+    assert (more.O - base.O, more.F - base.F, more.L, more.E) == (extra, extra, base.L, base.E)
+    # a cache sized from the budget gives those bytes up (a budget that holds half the experts;
+    # this tiny model's experts are smaller than the dashboard's bound, so a quarter of them here)
+    x, gib = facts.expert_bytes // 4, (base.C + base.K + base.O + facts.expert_bytes // 2) / GiB
+    fit, fit_more = (make_plan(facts, memory_budget_gib=gib, context=512, extra_overhead_bytes=y) for y in (0, x))
+    assert fit.E - fit_more.E == x and abs(fit_more.F - fit.F) <= 1

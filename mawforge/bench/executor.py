@@ -50,8 +50,8 @@ class MawForgeEngine(Engine, name="mawforge"):
                "--host", "127.0.0.1", "--port", "0", "--context", str(job.context),
                "--expert-cache-percent", f"{job.cache_percent:g}", "--max-tokens-default", str(job.max_tokens),
                "--no-speculative", "--no-dashboard", "--telemetry-log", str(telemetry_log)]
-        # the dashboard's kept route traces (up to 12 MiB) are not in the plan's O: a bench cell
-        # compares peak RSS with F, so it serves without them
+        # cells measure the serving runtime alone: no dashboard (its kept route traces, up to
+        # 12 MiB, would be planned in O and so change every cell's F)
         if job.budget_gib is not None:
             cmd += ["--memory-budget-gib", f"{job.budget_gib:g}"]
         if job.threads:

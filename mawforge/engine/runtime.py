@@ -40,6 +40,7 @@ class RuntimeOptions:
     thread_governor: bool = True       # decode steps choose the kernels' thread count by measured speed
     lookahead: bool = False            # next-layer router lookahead prefetch (live only)
     reserved_bytes: int = 0            # a draft model's L in this process: the target plans in the rest
+    extra_overhead_bytes: int = 0      # held beside the runtime by the caller (serve's dashboard): in O
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 1:
@@ -62,7 +63,8 @@ class Runtime:
                               expert_cache_percent=opts.expert_cache_percent,
                               expert_cache_gib=opts.expert_cache_gib, stream_embeddings=opts.stream_embeddings,
                               kv_dtype=opts.kv_dtype, prefill_chunk=opts.prefill_chunk,
-                              framework_bytes=framework_in_process(), budget_source=source)
+                              framework_bytes=framework_in_process(), budget_source=source,
+                              extra_overhead_bytes=opts.extra_overhead_bytes)
         if not self.plan.feasible:
             raise BudgetRejected(f"plan rejected: {self.plan.reason}")
         if opts.stream_embeddings and self.cfg.tie_embeddings:

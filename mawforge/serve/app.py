@@ -422,15 +422,18 @@ def main(a: argparse.Namespace) -> int:
     from mawforge.engine.speculative import uses_draft_pack
     from mawforge.plan import PackFacts, make_plan, pair_plan_from_args
     opts = runtime_options(a)
+    if a.dashboard:                              # its kept route traces are planned in O
+        from mawforge.serve.dashboard import kept_trace_bytes
+        opts = replace(opts, extra_overhead_bytes=kept_trace_bytes(PackFacts.from_pack(a.pack).top_k))
     chat = chat_settings(a)                      # a bad template file or kwargs fail before the model loads
     if uses_draft_pack(a):                       # the draft's L is planned beside the target's
         plan = pair_plan_from_args(a)
-        opts = runtime_options(a, plan.draft.L)
+        opts = replace(runtime_options(a, plan.draft.L), extra_overhead_bytes=opts.extra_overhead_bytes)
     else:
         plan = make_plan(PackFacts.from_pack(a.pack), memory_budget_gib=opts.memory_budget_gib, context=opts.context,
                          expert_cache_percent=opts.expert_cache_percent, expert_cache_gib=opts.expert_cache_gib,
                          stream_embeddings=opts.stream_embeddings, kv_dtype=opts.kv_dtype,
-                         prefill_chunk=opts.prefill_chunk)
+                         prefill_chunk=opts.prefill_chunk, extra_overhead_bytes=opts.extra_overhead_bytes)
     if not plan.feasible:
         print(plan.table(), file=sys.stderr)
         print(f"mawforge serve: refusing to start: plan rejected: {plan.reason}", file=sys.stderr)

@@ -41,7 +41,12 @@ COOKIE = "mawforge_key"
 KEEP_REQUESTS = 32          # telemetry rows kept for the table
 KEEP_TRACES = 8             # route traces kept for replay ...
 MAX_TRACE_ROWS = 32768      # ... each at most this many (token, layer) rows of k*6 bytes: with top-8,
-                            # 1.5 MiB a trace, 12 MiB for all (not in the plan's O; --no-dashboard)
+                            # 1.5 MiB a trace, 12 MiB for all (counted in the plan's O by serve)
+
+
+def kept_trace_bytes(top_k: int) -> int:
+    """The most the kept route traces hold (experts int16 + weights float32 per routed slot)."""
+    return KEEP_TRACES * MAX_TRACE_ROWS * top_k * 6
 REQUEST_FIELDS = ("prompt_tokens", "completion_tokens", "ttft_s", "decode_tok_s", "hit_rate", "hits",
                   "misses", "evictions", "materialized_bytes", "prefetched_bytes", "prefetch_useful_bytes",
                   "prefetch_wasted_bytes", "demand_load_s", "prefetch_stall_s", "peak_rss_bytes",
