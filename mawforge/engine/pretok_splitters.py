@@ -51,6 +51,22 @@ def _split_gpt2(cp: str, fl: list[int], ini: int, end: int, out: list[int]) -> N
         out.append(pos - start)
 
 
+def _whitespace_end(cp: str, F, pos: int, end: int) -> int:
+    """Where llama.cpp's `\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+` ends a whitespace run at pos (one
+    character on if none): through the last newline of the run, else all but the last space
+    before a non-space, else the whole run."""
+    n_ws, last_rn = 0, 0
+    while F(pos + n_ws) & WS:
+        if cp[pos + n_ws] in "\r\n":
+            last_rn = pos + n_ws + 1
+        n_ws += 1
+    if last_rn:
+        return last_rn
+    if n_ws > 1 and pos + n_ws < end:
+        return pos + n_ws - 1
+    return pos + (n_ws or 1)
+
+
 def _split_llama3_like(digits: int, marks: bool):
     """The Llama 3 (digits=3), Qwen2 (digits=1) and Qwen3.5 (digits=1, marks join letters) splitter:
     (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,n}|
@@ -100,19 +116,7 @@ def _split_llama3_like(digits: int, marks: bool):
                     pos += 1
                 out.append(pos - start)
                 continue
-            n_ws, last_rn = 0, 0
-            while F(pos + n_ws) & WS:
-                if cp[pos + n_ws] in "\r\n":
-                    last_rn = pos + n_ws + 1
-                n_ws += 1
-            if last_rn:
-                pos = last_rn
-            elif n_ws > 1 and pos + n_ws < end:
-                pos += n_ws - 1
-            elif n_ws:
-                pos += n_ws
-            else:
-                pos += 1
+            pos = _whitespace_end(cp, F, pos, end)
             out.append(pos - start)
     return split
 
@@ -199,19 +203,7 @@ def _split_kimi_k2(cp: str, fl: list[int], ini: int, end: int, out: list[int]) -
                 pos += 1
             emit(pos)
             continue
-        n_ws, last_rn = 0, 0
-        while F(pos + n_ws) & WS:
-            if cp[pos + n_ws] in "\r\n":
-                last_rn = pos + n_ws + 1
-            n_ws += 1
-        if last_rn:
-            pos = last_rn
-        elif n_ws > 1 and pos + n_ws < end:
-            pos += n_ws - 1
-        elif n_ws:
-            pos += n_ws
-        else:
-            pos += 1
+        pos = _whitespace_end(cp, F, pos, end)
         emit(pos)
 
 
