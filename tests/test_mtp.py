@@ -65,6 +65,9 @@ def made(tmp_path_factory):
 
 
 def runtime(pack_dir, budget: str = "100", context: int = 96, **kw) -> Runtime:
+    # prefetch off unless asked: the exact-counterfactual checks need cache decisions that follow
+    # from routing alone (auto prefetch's lookahead and on/off windows are live-only)
+    kw.setdefault("prefetch", "none")
     if budget == "min":
         gib = PackFacts.from_pack(pack_dir).min_cache_bytes / 2**30
         return Runtime(pack_dir, RuntimeOptions(context=context, expert_cache_gib=gib, **kw))
