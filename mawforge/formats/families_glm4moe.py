@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mawforge.errors import FormatError
+from mawforge.errors import FormatError, UnsupportedError
 
 
 def _extra(n_layers: int, dense: int, *, groups: int, groups_used: int, scale: float, rope_dim: int, mtp: int) -> dict:
@@ -41,6 +41,9 @@ def glm4moe_gguf(m: dict[str, Any]) -> dict:
     a = "glm4moe."
     if int(m.get(a + "expert_gating_func", 2)) != 2:
         raise FormatError(f"glm4moe: expert_gating_func {m.get(a + 'expert_gating_func')} is not sigmoid (2)")
+    if any(m.get(a + "rope.dimension_sections") or ()):
+        raise UnsupportedError("glm4moe with M-RoPE sections (a GLM-4.5V conversion) is not supported; "
+                               "the text models have none")
     mtp = int(m.get(a + "nextn_predict_layers", 0) or 0)
     hd = int(m.get(a + "attention.key_length") or m[a + "embedding_length"] // m[a + "attention.head_count"])
     return _extra(int(m[a + "block_count"]) - mtp, int(m.get(a + "leading_dense_block_count", 0) or 0),
