@@ -13,7 +13,7 @@ from typing import Any
 
 from mawforge.errors import FormatError, UnsupportedError
 
-SUPPORTED_ARCHS = ("qwen3moe", "qwen2moe", "mixtral", "olmoe", "qwen35moe", "gemma4", "deepseek2", "gpt-oss", "glm4moe")
+SUPPORTED_ARCHS = ("qwen3moe", "qwen2moe", "mixtral", "olmoe", "qwen35moe", "gemma4", "deepseek2", "gpt-oss")
 
 HF_MODEL_TYPES = {
     "qwen3_moe": "qwen3moe",
@@ -23,7 +23,6 @@ HF_MODEL_TYPES = {
     "qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe",
     "gemma4": "gemma4", "gemma4_text": "gemma4",
     "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "gpt_oss": "gpt-oss",
-    "glm4_moe": "glm4moe",
 }
 
 # Facts that the file formats do not carry, per architecture (from the transformers
@@ -37,7 +36,6 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma4": dict(qk_norm="head", norm_topk_prob=True, rope_layout="neox"),
     "deepseek2": dict(qk_norm="none", rope_layout="norm"),   # interleaved-pair RoPE on the rope part
     "gpt-oss": dict(qk_norm="none", norm_topk_prob=True, rope_layout="neox", qkv_bias=True),
-    "glm4moe": dict(qk_norm="none", norm_topk_prob=True, rope_layout="neox", qkv_bias=True),
 }
 
 
@@ -363,11 +361,6 @@ from mawforge.formats import families_ds_oss as _ds_oss  # noqa: E402  (DeepSeek
 
 _FAMILY_HF.update(deepseek2=_ds_oss.deepseek2_hf, **{"gpt-oss": _ds_oss.gptoss_hf})
 _FAMILY_GGUF.update(deepseek2=_ds_oss.deepseek2_gguf, **{"gpt-oss": _ds_oss.gptoss_gguf})
-
-from mawforge.formats import families_glm4moe as _glm  # noqa: E402  (GLM-4.5/4.6 MoE)
-
-_FAMILY_HF.update(glm4moe=_glm.glm4moe_hf)
-_FAMILY_GGUF.update(glm4moe=_glm.glm4moe_gguf)
 
 
 def _family_hf(arch: str, cfg: dict) -> dict:

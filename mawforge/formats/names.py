@@ -77,16 +77,6 @@ _HF_ARCH = {
         (r"layers\.(\d+)\.hnorm\.weight", "blk.{0}.nextn.hnorm.weight"),
         (r"layers\.(\d+)\.shared_head\.norm\.weight", "blk.{0}.nextn.shared_head_norm.weight"),
     ],
-    "glm4moe": [    # dense first layers, shared expert, router correction bias, MTP layer n_layers
-        (r"layers\.(\d+)\.post_attention_layernorm\.weight", "blk.{0}.post_attention_norm.weight"),
-        (r"layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", "blk.{0}.ffn_{1}.weight"),
-        (r"layers\.(\d+)\.mlp\.shared_experts\.(gate|up|down)_proj\.weight", "blk.{0}.ffn_{1}_shexp.weight"),
-        (r"layers\.(\d+)\.mlp\.gate\.e_score_correction_bias", "blk.{0}.exp_probs_b.bias"),
-        (r"layers\.(\d+)\.eh_proj\.weight", "blk.{0}.nextn.eh_proj.weight"),
-        (r"layers\.(\d+)\.enorm\.weight", "blk.{0}.nextn.enorm.weight"),
-        (r"layers\.(\d+)\.hnorm\.weight", "blk.{0}.nextn.hnorm.weight"),
-        (r"layers\.(\d+)\.shared_head\.norm\.weight", "blk.{0}.nextn.shared_head_norm.weight"),
-    ],
     "gpt-oss": [
         (r"layers\.(\d+)\.post_attention_layernorm\.weight", "blk.{0}.post_attention_norm.weight"),
         (r"layers\.(\d+)\.self_attn\.o_proj\.bias", "blk.{0}.attn_output.bias"),

@@ -49,17 +49,10 @@ def _gptoss(cfg: ModelConfig, layer: int) -> tuple:
     return ATTN + ("post_attention_norm.weight", "attn_sinks.weight") + ROUTER
 
 
-def _glm4moe(cfg: ModelConfig, layer: int) -> tuple:
-    ffn = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight") if layer in cfg.extra.get("dense_layers", ()) \
-        else ROUTER + (SHARED if cfg.shared_ff else ())
-    return ATTN + ("post_attention_norm.weight",) + ffn
-
-
 REQUIRED: dict[str, Callable[[ModelConfig, int], tuple]] = {
     "qwen3moe": _llama_like(qk_norm=True), "olmoe": _llama_like(qk_norm=True),
     "mixtral": _llama_like(), "qwen2moe": _llama_like(shared=True),
     "qwen35moe": _qwen35moe, "gemma4": _gemma4, "deepseek2": _deepseek2, "gpt-oss": _gptoss,
-    "glm4moe": _glm4moe,
 }
 
 
