@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mawforge.archs.spec import Arch, ArchArgs
+from mawforge.archs.spec import Arch, ArchArgs, nextn_names
 from mawforge.errors import FormatError, UnsupportedError
 
 
@@ -81,12 +81,8 @@ HF_NAMES = (   # dense first layers, shared expert, router correction bias, the 
     (r"layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", "blk.{0}.ffn_{1}.weight"),
     (r"layers\.(\d+)\.mlp\.shared_experts\.(gate|up|down)_proj\.weight", "blk.{0}.ffn_{1}_shexp.weight"),
     (r"layers\.(\d+)\.mlp\.gate\.e_score_correction_bias", "blk.{0}.exp_probs_b.bias"),
-    # nextn tensors as gguf-py names them; embed_tokens and shared_head.head repeat the model's own
-    (r"layers\.(\d+)\.eh_proj\.weight", "blk.{0}.nextn.eh_proj.weight"),
-    (r"layers\.(\d+)\.enorm\.weight", "blk.{0}.nextn.enorm.weight"),
-    (r"layers\.(\d+)\.hnorm\.weight", "blk.{0}.nextn.hnorm.weight"),
-    (r"layers\.(\d+)\.shared_head\.norm\.weight", "blk.{0}.nextn.shared_head_norm.weight"),
-)
+    # the MTP layer's own tensors; its embed_tokens and shared_head.head repeat the model's and are not read
+) + nextn_names(r"eh_proj\.weight", r"enorm\.weight", r"hnorm\.weight", r"shared_head\.norm\.weight")
 
 ATTN = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
         "post_attention_norm.weight")
@@ -103,7 +99,7 @@ def model() -> type:
     import torch
 
     from mawforge.kernels import linear
-    from mawforge.models.base import MoETransformer, attend, rms_norm, rope_rotate
+    from mawforge.models.base import MoETransformer, attend, rope_rotate
     from mawforge.models.kv import KVCache
     from mawforge.models.mtp import MtpMixin
 
@@ -119,11 +115,10 @@ def model() -> type:
 
         # ---- attention -------------------------------------------------------------------
         def qk_norm(self, layer: int, q: torch.Tensor, k: torch.Tensor):
-            p, eps = f"blk.{layer}.", self.cfg.norm_eps
+            p = f"blk.{layer}."
             if not self.w.has(p + "attn_q_norm.weight"):
                 return q, k
-            return (rms_norm(q, self.w.dense(p + "attn_q_norm.weight"), eps),
-                    rms_norm(k, self.w.dense(p + "attn_k_norm.weight"), eps))
+            return self.norm(q, p + "attn_q_norm.weight"), self.norm(k, p + "attn_k_norm.weight")
 
         def attention(self, layer: int, x: torch.Tensor, pos: torch.Tensor, kv) -> torch.Tensor:
             cfg, T, p = self.cfg, x.shape[0], f"blk.{layer}."
@@ -170,13 +165,6 @@ def model() -> type:
             return self.mlp(p, "_shexp", h) if self.w.has(p + "ffn_gate_shexp.weight") else None
 
         # ---- multi-token prediction ------------------------------------------------------
-        def _forward(self, tokens: torch.Tensor, pos0: int, kv, all_logits: bool) -> torch.Tensor:
-            if self.mtp is None:
-                return super()._forward(tokens, pos0, kv, all_logits)
-            h = self.hidden(tokens, pos0, kv)
-            self.keep_hidden(pos0, h)
-            return linear(h if all_logits else h[-1:], self.w.head()).float()      # [T, V]
-
         def mtp_cache(self, context: int, dtype: torch.dtype = torch.float32) -> KVCache:
             """The MTP layer's own one-layer KV cache (its layer index is n_layers)."""
             c = self.cfg
@@ -191,19 +179,18 @@ def model() -> type:
             layer (attention, MoE with the shared expert), shared_head_norm, the model's LM head; the
             normed output (llama.cpp's h_nextn) is what the next chained step reads. The caller
             commits mtp_kv."""
-            L, eps = self.cfg.n_layers, self.cfg.norm_eps
+            L = self.cfg.n_layers
             p = f"blk.{L}."
-            e = rms_norm(self.w.embed(tokens), self.w.dense(p + "nextn.enorm.weight"), eps)
-            hh = rms_norm(hidden, self.w.dense(p + "nextn.hnorm.weight"), eps)
+            e, hh = self.norm(self.embed(tokens), p + "nextn.enorm.weight"), self.norm(hidden, p + "nextn.hnorm.weight")
             h = self.proj(p + "nextn.eh_proj.weight", torch.cat((e, hh), dim=-1)).float()
             pos = torch.arange(pos0, pos0 + tokens.shape[0], device=self.device)
-            h = h + self.attention(L, rms_norm(h, self.w.dense(p + "attn_norm.weight"), eps), pos, mtp_kv)
-            x = rms_norm(h, self.w.dense(p + self.ffn_norm_name), eps)
+            h = h + self.attention(L, self.norm(h, p + "attn_norm.weight"), pos, mtp_kv)
+            x = self.ffn_input(L, h)
             idx, wts = self.route(L, x)
             h = h + self.mtp_experts(L, x, idx, wts) + self.beside_experts(L, x)
             norm = p + "nextn.shared_head_norm.weight"
-            out = rms_norm(h, self.w.dense(norm if self.w.has(norm) else "output_norm.weight"), eps)
-            return out, linear(out, self.w.head()).float()
+            out = self.norm(h, norm if self.w.has(norm) else "output_norm.weight")
+            return out, self.logits(out)
 
     return Glm4Moe
 
