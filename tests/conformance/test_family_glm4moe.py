@@ -1,35 +1,22 @@
-"""What only GLM-4.5/4.6 MoE has; its shared checks (transformers, llama.cpp, cache transparency,
-plan, dense layer, MTP) run from its cases.CASES row: the fused expert layout, the Air's
-attention without q/k norm, one config from both readers, and M-RoPE conversions refused."""
+"""What only GLM-4.5/4.6 MoE has; its shared checks (transformers on hf, hf_fused, hf_air and
+F32, llama.cpp, cache transparency, plan, dense layer, MTP) run from its cases.CASES row: the
+Air's attention packed without q/k norm, one config from both readers, M-RoPE conversions refused."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from bounds import F32_MODEL_ATOL
 from . import api
-from .cases import BY_ARCH, TOKENS
-from .runtime_helpers import logits
+from .cases import BY_ARCH
 
 GLM = BY_ARCH["glm4_moe"]
 
 
-def _hf_logits(hf) -> torch.Tensor:
-    with torch.no_grad():
-        return api.tiny.load_hf(hf)(torch.tensor([list(TOKENS)])).logits[0].float()
-
-
-@pytest.mark.parametrize("variant", ["fused", "no_qk_norm"])
-def test_variant_matches_transformers(tmp_path, variant):
-    """transformers 5.x's fused experts (mlp.experts.gate_up_proj / down_proj), and GLM-4.5-Air's
-    attention (use_qk_norm false: no attn_q_norm / attn_k_norm, which the model then skips)."""
-    hf = api.glm4moe.build_hf("glm4_moe", tmp_path / "hf", qk_norm=variant != "no_qk_norm")
-    if variant == "fused":
-        api.tiny.fuse_experts(hf / "model.safetensors", api.glm4moe.N_EXPERTS)
-    api.pack(hf, tmp_path / "pack", progress=False)
-    common = {r.name for r in api.read_manifest(tmp_path / "pack").common}
-    assert ("blk.1.attn_q_norm.weight" in common) == (variant != "no_qk_norm")
-    torch.testing.assert_close(logits(tmp_path / "pack", TOKENS), _hf_logits(hf), rtol=0, atol=F32_MODEL_ATOL)
+def test_air_has_no_qk_norm(sources):
+    """GLM-4.5-Air (use_qk_norm false) packs without attn_q_norm / attn_k_norm and the model skips
+    them (its logits: test_shared's hf_air row); GLM-4.5 / 4.6 keep them."""
+    for source, has in (("hf", True), ("hf_air", False)):
+        common = {r.name for r in api.read_manifest(sources.pack(GLM, source)).common}
+        assert ("blk.1.attn_q_norm.weight" in common) == ("blk.1.attn_k_norm.weight" in common) == has, source
 
 
 def test_hf_and_gguf_read_the_same_config(sources):
