@@ -85,6 +85,44 @@ def pack_of(gguf: Path, layout: str = "exact") -> Path:
     return out
 
 
+def worker_row(script: str, args: list[str], limit_bytes: int | None = None, timeout: float = 1800) -> dict:
+    """Run `script worker ARGS` on a dropped page cache (inside a cgroup v1 memory limit when
+    limit_bytes is set); its last JSON line, plus exit status, peak RSS, wall time, cgroup stats."""
+    cmd = [PY, os.path.abspath(script), "worker", *args]
+    cg = None
+    if limit_bytes:
+        from mawforge.bench.cgroup import MemoryCgroup
+        cg = MemoryCgroup(limit_bytes).__enter__()
+        cmd = cg.wrap(cmd)
+    try:
+        drop_caches()
+        r = run_measured(cmd, timeout=timeout)
+        stats = cg.stats() if cg else {}
+    finally:
+        if cg:
+            cg.close()
+    lines = [l for l in r["stdout"].splitlines() if l.startswith("{")]
+    row = json.loads(lines[-1]) if (r["rc"] == 0 and lines) else {}
+    row.update(rc=r["rc"], peak_rss_bytes=r.get("peak_rss_bytes", 0), wall_s=r["wall_s"], cgroup=stats,
+               status="ok" if r["rc"] == 0 else ("killed (OOM)" if r["rc"] in (-9, 137, 247) else f"failed rc={r['rc']}"))
+    if r["rc"] != 0:
+        row["stderr_tail"] = r["stderr"][-600:]
+    return row
+
+
+def llama_repack_off() -> None:
+    """Make llama-cpp-python load models without ggml's extra buffer types (the CPU repack of
+    Q4_K and friends into interleaved layouts): the load that mmaps the file and can page."""
+    import llama_cpp
+    base = llama_cpp.llama_cpp.llama_model_default_params
+
+    def params():
+        p = base()
+        p.use_extra_bufts = False
+        return p
+    llama_cpp.llama_cpp.llama_model_default_params = params
+
+
 def median(xs) -> float:
     return statistics.median(xs) if xs else float("nan")
 

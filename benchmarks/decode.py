@@ -17,7 +17,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import PY, drop_caches, machine, pack_of, run_measured, save, synth_model  # noqa: E402
+from common import llama_repack_off, machine, pack_of, save, synth_model, worker_row  # noqa: E402
 
 THREADS = int(os.environ.get("MAWFORGE_BENCH_THREADS", "2"))   # each engine, same count
 
@@ -31,13 +31,7 @@ def tokens(n: int, seed: int, vocab: int = 151000) -> list[int]:
 def work_llama(a) -> dict:
     import llama_cpp
     if a.no_repack:
-        base = llama_cpp.llama_cpp.llama_model_default_params
-
-        def params():
-            p = base()
-            p.use_extra_bufts = False
-            return p
-        llama_cpp.llama_cpp.llama_model_default_params = params
+        llama_repack_off()
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(a.model, n_ctx=512, n_batch=512, n_threads=THREADS, n_threads_batch=THREADS,
                           verbose=False, use_mmap=not a.no_mmap)
@@ -121,26 +115,7 @@ def work_pread(a) -> dict:
 
 # ---- driver --------------------------------------------------------------------------------
 def child(args: list[str], limit_bytes: int | None = None, timeout: float = 1800) -> dict:
-    cmd = [PY, os.path.abspath(__file__), "worker", *args]
-    cg = None
-    if limit_bytes:
-        from mawforge.bench.cgroup import MemoryCgroup
-        cg = MemoryCgroup(limit_bytes).__enter__()
-        cmd = cg.wrap(cmd)
-    try:
-        drop_caches()
-        r = run_measured(cmd, timeout=timeout)
-        stats = cg.stats() if cg else {}
-    finally:
-        if cg:
-            cg.close()
-    lines = [l for l in r["stdout"].splitlines() if l.startswith("{")]
-    row = json.loads(lines[-1]) if (r["rc"] == 0 and lines) else {}
-    row.update(rc=r["rc"], peak_rss_bytes=r["peak_rss_bytes"], wall_s=r["wall_s"], cgroup=stats,
-               status="ok" if r["rc"] == 0 else ("killed (OOM)" if r["rc"] in (-9, 137, 247) else f"failed rc={r['rc']}"))
-    if r["rc"] != 0:
-        row["stderr_tail"] = r["stderr"][-600:]
-    return row
+    return worker_row(__file__, args, limit_bytes, timeout)
 
 
 def run_model(layers: int, skew: float, a) -> list[dict]:

@@ -131,7 +131,7 @@ def test_route_trace_replays_live_counts_under_the_belady_bound(demo_packs, tmp_
     pack, path = demo_packs["Q8_0"], tmp_path / "trace.npz"   # Q8_0: equal block sizes, Belady is a bound
     recorder = make_recorder(argparse.Namespace(trace_out=str(path), pack=pack))
     _, _, rt = _greedy(pack, n=48, recorder=recorder, expert_cache_percent=25, policy="lru")
-    recorder.set_live(rt.plan.E, "lru", None, rt.cache.core.stats())
+    recorder.set_live(rt.plan.E, "lru", rt.prefetch_spec, rt.cache.core.stats())   # default: auto prefetch
     recorder.save(path)
     trace = load_trace(path)
     assert live_check(trace)["match"]

@@ -55,15 +55,19 @@ def covering_prompt(vocab: int = 1024) -> list[int]:
     return torch.randperm(vocab, generator=torch.Generator().manual_seed(0)).tolist()
 
 
-def runtime(pack, budget: str = "50", context: int = 1100) -> Runtime:
+def runtime(pack, budget: str = "50", context: int = 1100, prefetch: str = "none") -> Runtime:
+    """prefetch "none" by default here: the counterfactual replays plain decoding exactly only when
+    the cache's decisions follow from routing alone; auto prefetch's router lookahead and its
+    on/off windows are live decisions it cannot replay (the report says so)."""
     if budget == "min":
         gib = PackFacts.from_pack(pack).min_cache_bytes / 2**30
-        return Runtime(pack, RuntimeOptions(context=context, expert_cache_gib=gib))
-    return Runtime(pack, RuntimeOptions(context=context, expert_cache_percent=float(budget)))
+        return Runtime(pack, RuntimeOptions(context=context, expert_cache_gib=gib, prefetch=prefetch))
+    return Runtime(pack, RuntimeOptions(context=context, expert_cache_percent=float(budget), prefetch=prefetch))
 
 
-def run(pack, mode: str, budget: str, params: SamplingParams, prompt: str | list[int] = CODE, **spec):
-    rt = runtime(pack, budget)
+def run(pack, mode: str, budget: str, params: SamplingParams, prompt: str | list[int] = CODE,
+        prefetch: str = "none", **spec):
+    rt = runtime(pack, budget, prefetch=prefetch)
     sp = Speculator(rt, SpecOptions(mode=mode, **spec)) if mode != "off" else None
     ids = rt.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
     try:
@@ -148,6 +152,15 @@ def test_greedy_speculation_matches_plain_decoding(packs, budget, forward_clock)
         if mode == "draft" and spec["draft_pack"] == str(packs[DRAFT]):
             assert s["accepted"] > 0                       # same weights at Q8_0: most drafts survive
             assert s["draft"]["kv_cache_bytes"] > 0 and s["draft"]["expert_cache_bytes"] > 0
+
+
+def test_speculation_under_auto_prefetch_is_transparent_and_labels_its_counterfactual(packs, forward_clock):
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    want, text, _, _ = run(packs[TARGET], "off", "min", params, prompt=covering_prompt(), prefetch="auto")
+    got, got_text, t, _ = run(packs[TARGET], "ngram", "min", params, prompt=covering_prompt(), prefetch="auto")
+    assert (got, got_text) == (want, text)
+    assert t.speculative["verify_steps"] > 0 and t.prefetch["mode"] == "auto"
+    assert "router lookahead not replayed" in t.speculative["plain_counterfactual"]
 
 
 def test_stop_inside_accepted_drafts_ends_the_stream_there(packs):

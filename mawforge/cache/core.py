@@ -112,6 +112,7 @@ class CacheStats:
     prefetch_probes: int
     prefetch_dropped: int
     per_layer: tuple[LayerStats, ...]
+    prefetch_spared: int = 0     # drops because only blocks about to be used could make room
 
     @property
     def accesses(self) -> int:
@@ -148,7 +149,8 @@ class CacheCore:
         self._unused_prefetch: set[Key] = set()
         self._layers: dict[int, list[int]] = {}  # layer -> [hits, misses, evictions, bytes]
         self._pf = dict(issued=0, issued_bytes=0, useful=0, useful_bytes=0, wasted=0,
-                        wasted_bytes=0, probes=0, dropped=0)
+                        wasted_bytes=0, probes=0, dropped=0, spared=0)
+        self._pending_evicted: list[Key] = []
         self.heat: np.ndarray | None = None          # [len(HEAT_FIELDS), layers * experts] counts
         self.resident_map: np.ndarray | None = None  # [layers * experts] bool
 
@@ -197,10 +199,18 @@ class CacheCore:
             c = self._layers[layer] = [0, 0, 0, 0]
         return c
 
-    def _evict_for(self, nbytes: int) -> list[Key]:
+    def _evict_for(self, nbytes: int, keep: Callable[[Key], bool] | None = None) -> list[Key] | None:
+        """Evict until nbytes fit. keep(key) True marks a block this eviction must spare (a
+        prefetch spares the blocks about to be used); None is returned when only such blocks
+        are left (the blocks evicted before that stay evicted, counted as usual)."""
         evicted = []
+        ok = self.is_evictable if keep is None else (lambda k: k not in self._pins and not keep(k))
         while self.used_bytes + nbytes > self.capacity_bytes:
-            key = self.policy.victim(self.is_evictable)
+            key = self.policy.victim(ok)
+            if key is None and keep is not None:
+                self._pf["spared"] += 1
+                self._pending_evicted = evicted
+                return None
             if key is None or key in self._pins or key not in self._size:
                 raise RuntimeError(f"policy {self.policy.spec} returned bad victim {key}")
             size = self._size.pop(key)
@@ -259,10 +269,12 @@ class CacheCore:
             self.heat[1, key[0] * self._experts + key[1]] += 1
         return False, evicted
 
-    def prefetch(self, key: Key, nbytes: int, touch: bool = False) -> tuple[str, list[Key]]:
+    def prefetch(self, key: Key, nbytes: int, touch: bool = False,
+                 keep: Callable[[Key], bool] | None = None) -> tuple[str, list[Key]]:
         """A speculative load through the same byte budget. Returns (status, evicted):
         'probe' (already resident; with touch=True the policy sees a hit, refreshing
-        recency), 'load' (now resident, counted as issued), 'drop' (pins leave no room)."""
+        recency), 'load' (now resident, counted as issued), 'drop' (pins leave no room, or
+        only blocks that `keep` spares could make room; the evicted list may then be non-empty)."""
         if key in self._size:
             self._pf["probes"] += 1
             if touch:
@@ -271,7 +283,10 @@ class CacheCore:
         if not self._fits_after_eviction(nbytes):
             self._pf["dropped"] += 1
             return "drop", []
-        evicted = self._evict_for(nbytes)
+        evicted = self._evict_for(nbytes, keep)
+        if evicted is None:
+            self._pf["dropped"] += 1
+            return "drop", self._pending_evicted
         self._insert(key, nbytes)
         self._unused_prefetch.add(key)
         self._pf["issued"] += 1
@@ -306,7 +321,8 @@ class CacheCore:
             prefetch_useful=pf["useful"], prefetch_useful_bytes=pf["useful_bytes"],
             prefetch_wasted=pf["wasted"], prefetch_wasted_bytes=pf["wasted_bytes"],
             prefetch_pending_bytes=sum(self._size[k] for k in self._unused_prefetch),
-            prefetch_probes=pf["probes"], prefetch_dropped=pf["dropped"], per_layer=per_layer)
+            prefetch_probes=pf["probes"], prefetch_dropped=pf["dropped"], per_layer=per_layer,
+            prefetch_spared=pf["spared"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,6 +356,7 @@ class RouteDriver:
         self.core = core
         self.block_bytes = block_bytes
         self.prefetcher = prefetcher
+        self.enabled = True     # False: this step issues no prefetch (`--prefetch auto` measuring "off")
         self.kind = "decode"
         self.n_tokens = 0
 
@@ -348,7 +365,7 @@ class RouteDriver:
         if kind not in ("prefill", "decode"):
             raise ValueError(f"step kind must be 'prefill' or 'decode', got {kind!r}")
         self.kind, self.n_tokens = kind, n_tokens
-        if self.prefetcher is None:
+        if self.prefetcher is None or not self.enabled:
             return EMPTY_PLAN
         return self._prefetch_before(None)
 
@@ -381,7 +398,7 @@ class RouteDriver:
 
     def after_layer(self, layer: int) -> PrefetchPlan:
         """Returns the prefetch for the next MoE layer, issued while this one finishes."""
-        if self.prefetcher is None:
+        if self.prefetcher is None or not self.enabled:
             return EMPTY_PLAN
         return self._prefetch_before(layer)
 
@@ -389,17 +406,27 @@ class RouteDriver:
         """Hook for step-level prefetchers; the built-in ones act per layer."""
         return EMPTY_PLAN
 
-    def prefetch(self, keys: Iterable[Key], touch: bool = False) -> PrefetchPlan:
-        """Issue speculative loads (e.g. live router lookahead) through the byte budget.
-        Keys of one plan are pinned while it is built, so a plan never evicts its own loads."""
+    def lookahead(self, keys: Iterable[Key]) -> PrefetchPlan:
+        """A router-lookahead prefetch for layer l, issued before layer l-1's experts run: it
+        spares the blocks of layers l-1 and l (both about to be used)."""
+        return self.prefetch(keys, spare_before=1)
+
+    def prefetch(self, keys: Iterable[Key], touch: bool = False, spare_before: int = 0) -> PrefetchPlan:
+        """Issue speculative loads through the byte budget. Keys of one plan are pinned while
+        it is built, so a plan never evicts its own loads, and a prefetch for layer l never
+        evicts a block of layer l (nor of the `spare_before` layers before it): those are about
+        to be used, so making room with them would turn a likely hit into a miss. Such a
+        prefetch is dropped instead."""
         loads, evicted, probed, pinned = [], [], [], []
         try:
             for key in keys:
-                status, gone = self.core.prefetch(key, self.block_bytes(*key), touch)
+                lo, hi = key[0] - spare_before, key[0]
+                status, gone = self.core.prefetch(key, self.block_bytes(*key), touch,
+                                                  keep=lambda k, lo=lo, hi=hi: lo <= k[0] <= hi)
+                evicted.extend(gone)
                 if status == "drop":
                     continue
                 (loads if status == "load" else probed).append(key)
-                evicted.extend(gone)
                 self.core.pin(key)
                 pinned.append(key)
         finally:

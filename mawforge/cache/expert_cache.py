@@ -66,7 +66,7 @@ class ExpertCache:
 
     def begin_step(self, kind: str, n_tokens: int) -> None:
         if self.recorder is not None:
-            self.recorder.begin_step(kind, n_tokens)
+            self.recorder.begin_step(kind, n_tokens, prefetch=self.driver.enabled)
         self._run_prefetch(self.driver.begin_step(kind, n_tokens))
 
     def end_step(self) -> None:
@@ -76,7 +76,7 @@ class ExpertCache:
     def _release(self, key: Key) -> None:
         fut = self.pending.pop(key, None)
         if fut is not None:
-            fut.result()
+            fut.exception()     # wait for the read; a failed prefetch of a block dropped unused is moot
         slot = self.slots.pop(key)
         slot.weights = {}
         self.free.setdefault(slot.size, []).append(slot)
@@ -181,8 +181,11 @@ class ExpertCache:
         return len(plan.loads)
 
     def lookahead(self, keys: list[Key]) -> None:
-        """Live-only prefetch (e.g. next-layer router lookahead), through the same budget."""
-        self._run_prefetch(self.driver.prefetch(keys))
+        """Live prefetch of given keys (next-layer router lookahead), through the same budget;
+        a route trace records the keys, so replay issues the same prefetch at the same point."""
+        if self.recorder is not None:
+            self.recorder.lookahead(keys)
+        self._run_prefetch(self.driver.lookahead(keys))
 
     def prefill_needed_bytes(self) -> int:
         """Bytes of the distinct blocks prefill routed to since `prefill_keys` was cleared: what
@@ -204,5 +207,5 @@ class ExpertCache:
 
     def close(self) -> None:
         for fut in self.pending.values():
-            fut.result()
+            fut.exception()     # wait; a prefetch that failed was never used (a use raises its error)
         self.pending.clear()

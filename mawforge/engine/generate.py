@@ -81,7 +81,9 @@ def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
     rt.reset()
     rt.cache.prefill_keys.clear()
     logits = rt.forward(prompt)[-1]
-    prefill_read = rt.cache.stats()["materialized_bytes"] - before["materialized_bytes"]
+    after = rt.cache.stats()
+    read = lambda s: s["materialized_bytes"] + s["prefetch_issued_bytes"]    # demand reads and prefetch reads
+    prefill_read = read(after) - read(before)
     decoder = speculative.decoder(prompt, params, sampler) if speculative is not None else PlainDecoder(rt, sampler)
     stalls = StallMeter()
     try:
@@ -116,6 +118,7 @@ def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
                     tele.prefill_read_bytes, tele.prefill_needed_bytes = prefill_read, rt.cache.prefill_needed_bytes()
                     tele.compute_threads = (rt.governor.report() if rt.governor is not None
                                             else {"threads": torch.get_num_threads(), "governor": False})
+                    tele.prefetch = rt.prefetch_report()
                     tele.speculative = decoder.report() or tele.speculative
                     tele.planned_draft_bytes = tele.speculative.get("draft", {}).get("planned_bytes", 0)
                     tele.planned_footprint_bytes += tele.planned_draft_bytes

@@ -15,8 +15,12 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pack", required=True)
     add_budget_arguments(p)
     p.add_argument("--policy", default="lru", help="expert cache eviction policy: lru, lfu, fifo, random:SEED, s3fifo")
-    p.add_argument("--prefetch", default=None, help="prefetch policy, e.g. confidence:0.2 (default none)")
-    p.add_argument("--lookahead", action="store_true", help="prefetch next layer's experts by router lookahead")
+    p.add_argument("--prefetch", default="auto",
+                   help="auto (default: next-token and next-layer prefetch, measured against none by "
+                        "wall clock and turned off while it loses), none, or a policy such as confidence:0.2")
+    p.add_argument("--lookahead", action="store_true",
+                   help="with an explicit --prefetch policy (or none): also prefetch the next layer's "
+                        "experts by router lookahead (always on in auto)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: torch's, the cores)")
     p.add_argument("--no-thread-governor", action="store_true",
@@ -141,7 +145,8 @@ def main(a: argparse.Namespace) -> int:
             spec.close()
         rt.close()
         if recorder is not None:
-            if not a.lookahead:   # replay can check these counters only without live-only lookahead
-                recorder.set_live(rt.plan.E, a.policy, a.prefetch, rt.cache.core.stats())
+            # the trace carries each step's prefetch state and every lookahead's keys, so replay
+            # reproduces these counters with auto prefetch and lookahead too
+            recorder.set_live(rt.plan.E, a.policy, rt.prefetch_spec, rt.cache.core.stats())
             recorder.save(a.trace_out)
     return 0

@@ -11,6 +11,7 @@ import torch
 from mawforge.cache.expert_cache import ExpertCache
 from mawforge.cache.store import ExpertStore
 from mawforge.models.kv import KVCache
+from mawforge.engine.prefetch_auto import AUTO_PREFETCHER, PrefetchGovernor
 from mawforge.engine.threads import ThreadGovernor
 from mawforge.engine.tokenizer import load_tokenizer
 from mawforge.engine.weights import CommonWeights
@@ -28,7 +29,7 @@ class RuntimeOptions:
     expert_cache_percent: float | None = None
     expert_cache_gib: float | None = None
     policy: str = "lru"
-    prefetch: str | None = None
+    prefetch: str | None = "auto"      # "auto" (engine/prefetch_auto.py), "none", or a policy spec
     device: str = "cpu"
     stream_embeddings: bool = False
     kv_dtype: str | None = None
@@ -38,7 +39,7 @@ class RuntimeOptions:
     prefill_chunk: int = 128
     threads: int | None = None
     thread_governor: bool = True       # decode steps choose the kernels' thread count by measured speed
-    lookahead: bool = False            # next-layer router lookahead prefetch (live only)
+    lookahead: bool = False            # next-layer router lookahead prefetch (on in "auto")
     reserved_bytes: int = 0            # a draft model's L in this process: the target plans in the rest
     extra_overhead_bytes: int = 0      # held beside the runtime by the caller (serve's dashboard): in O
 
@@ -75,11 +76,15 @@ class Runtime:
         self.store = ExpertStore(self.pack, self.index, direct=opts.direct_io,
                                  check_digests=opts.check_digests, threads=opts.io_threads)
         self.recorder = recorder
+        auto = (opts.prefetch or "").strip().lower() == "auto"
+        self.prefetch_governor = PrefetchGovernor() if auto else None
+        self.prefetch_spec = AUTO_PREFETCHER if auto else opts.prefetch
         self.cache = ExpertCache(self.store, self.index, self.plan.E, self.cfg.top_k, self.device,
-                                 opts.policy, opts.prefetch, recorder)
+                                 opts.policy, self.prefetch_spec, recorder)
         self.kv = KVCache.for_config(self.cfg, opts.context, getattr(torch, self.plan.kv_dtype), self.device)
         self.model = model_class(self.cfg.arch)(self.cfg, self.weights, self.cache, self.device)
-        if opts.lookahead:
+        self.lookahead = opts.lookahead or auto
+        if self.lookahead:
             self.model.router_hook = self._lookahead
         # called (tokens done, tokens in all) after each chunk of a run longer than one chunk:
         # `mawforge run` draws prefill progress with it on a terminal
@@ -93,8 +98,16 @@ class Runtime:
         nxt = layer + 1
         if nxt >= self.cfg.n_layers:
             return
+        if not self.cache.driver.enabled:
+            return
         idx, _ = self.model.route(nxt, x)
         self.cache.lookahead([(nxt, int(e)) for e in torch.unique(idx).tolist()])
+
+    def prefetch_report(self) -> dict:
+        """The request telemetry's `prefetch` field."""
+        if self.prefetch_governor is not None:
+            return self.prefetch_governor.report()
+        return {"mode": self.prefetch_spec or "none", "lookahead": self.lookahead}
 
     def reset(self) -> None:
         self.kv.truncate(0)
@@ -109,7 +122,14 @@ class Runtime:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary of {self.cfg.vocab}")
         outs = []
         step = self.opts.prefill_chunk
-        gov = self.governor if kind == "decode" and len(tokens) == 1 else None
+        one = kind == "decode" and len(tokens) == 1
+        gov = self.governor if one else None
+        pgov = self.prefetch_governor if one else None
+        self.cache.driver.enabled = pgov.before_step() if pgov is not None else True
+        # auto prefetch times only steps at the thread governor's settled count, so a thread
+        # probe's slow window is not charged to the prefetch state that happened to run beside it
+        timed = pgov is not None and (gov is None or gov.settled())
+        t_start = time.perf_counter()
         if gov is not None:
             threads, waited, t0 = gov.before_step(), self.cache.read_wait_seconds(), time.perf_counter()
         elif self.governor is not None:
@@ -128,6 +148,8 @@ class Runtime:
         if gov is not None:
             gov.after_step(threads, len(tokens),
                            time.perf_counter() - t0 - (self.cache.read_wait_seconds() - waited))
+        if timed:
+            pgov.after_step(self.cache.driver.enabled, len(tokens), time.perf_counter() - t_start)
         return torch.cat(outs) if all_logits else outs[-1]
 
     def close(self) -> None:

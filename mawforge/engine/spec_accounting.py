@@ -45,9 +45,13 @@ class RouteTap:
     def clear(self) -> None:
         self.rows = {}
 
-    def begin_step(self, kind: str, n_tokens: int) -> None:
+    def begin_step(self, kind: str, n_tokens: int, prefetch: bool = True) -> None:
         if self.inner is not None:
-            self.inner.begin_step(kind, n_tokens)
+            self.inner.begin_step(kind, n_tokens, prefetch=prefetch)
+
+    def lookahead(self, keys) -> None:
+        if self.inner is not None:
+            self.inner.lookahead(keys)
 
     def record(self, layer: int, idx: np.ndarray, w: np.ndarray) -> None:
         self.rows.setdefault(layer, []).append((idx.copy(), w.copy()))     # [T, k] each

@@ -214,7 +214,7 @@ class SpecDecoder(PlainDecoder):
             "extra_misses": self.live["misses"] - self.plain["misses"],
             "extra_evictions": self.live["evictions"] - self.plain["evictions"],
             "extra_prefetched_bytes": self.live["prefetch_issued_bytes"] - self.plain["prefetch_issued_bytes"],
-            "plain_counterfactual": "replayed" + (" (router lookahead not replayed)" if self.rt.opts.lookahead else ""),
+            "plain_counterfactual": "replayed" + (" (router lookahead not replayed)" if self.rt.lookahead else ""),
             "draft_s": self.draft_s,
             "rollback_state_bytes": self.rt.kv.rollback_bytes,
             "draft": {**self.drafter.memory(), **self.drafter.counters()},

@@ -46,6 +46,15 @@ class ThreadGovernor:
     def after_step(self, threads: int, positions: int, compute_s: float) -> None:
         self.chooser.record(threads, positions, compute_s)
 
+    def settled(self) -> bool:
+        """True when every count has been measured and the step runs at the fastest one (not
+        exploring, not probing): steps that other choosers may time without this one's probe
+        in their figures (`--prefetch auto` times its windows only on such steps)."""
+        c = self.chooser
+        if any(c.rate[a] is None for a in c.arms):
+            return False
+        return c.current == max(c.arms, key=lambda a: c.rate[a])
+
     def release(self) -> None:
         """The full count, for steps whose bits would depend on it (prefill, verify)."""
         self._set(self.max_threads, None)

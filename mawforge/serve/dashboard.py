@@ -74,11 +74,16 @@ class RequestTraces:
         steps, self.steps = self.steps, None
         return (steps, self.records) if steps and self.records else None
 
-    def begin_step(self, kind: str, n_tokens: int) -> None:
+    def begin_step(self, kind: str, n_tokens: int, prefetch: bool = True) -> None:
         if self.inner is not None:
-            self.inner.begin_step(kind, n_tokens)
+            self.inner.begin_step(kind, n_tokens, prefetch=prefetch)
         if self.steps is not None:
             self.steps.append((kind, n_tokens))
+
+    def lookahead(self, keys) -> None:
+        """Passed on; the what-if replays compare policies on routing alone, as `mawforge replay` does."""
+        if self.inner is not None:
+            self.inner.lookahead(keys)
 
     def record(self, layer: int, idx, w) -> None:
         if self.inner is not None:
@@ -231,7 +236,7 @@ class Board:
         rt, p = self.rt, self.rt.plan
         return {"model": self.model_id, "architecture": rt.cfg.arch, "n_layers": rt.cfg.n_layers,
                 "n_experts": rt.cfg.n_experts, "top_k": rt.cfg.top_k, "context": rt.opts.context,
-                "policy": rt.opts.policy, "prefetch": rt.opts.prefetch or "none", "interval_s": self.interval_s,
+                "policy": rt.opts.policy, "prefetch": rt.prefetch_spec or "none", "interval_s": self.interval_s,
                 "heat_fields": list(HEAT_FIELDS), "auth": self.api_key is not None,
                 "plan": {"C": p.C, "E": p.E, "K": p.K, "O": p.O, "L": p.L, "F": p.F,
                          "budget_bytes": p.budget_bytes, "budget_source": p.budget_source,
@@ -277,11 +282,11 @@ class Board:
         budget = Budget("live", cap, 100.0 * cap / trace.total_expert_bytes)
         live = next((r for r in reversed(self.requests) if r["request_id"] == rid), None)
         rows = replay(trace, [budget], [self.rt.opts.policy, "belady", "belady-pinned"],
-                      prefetch=self.rt.opts.prefetch or "none")
+                      prefetch=self.rt.prefetch_spec or "none")
         keep = ("policy", "policy_spec", "prefetch", "status", "note", "hits", "misses", "hit_rate",
                 "evictions", "loaded_bytes")
         return {"request_id": rid, "steps": trace.n_steps, "capacity_bytes": cap,
-                "lookahead": self.rt.opts.lookahead,
+                "lookahead": self.rt.lookahead,
                 "live": None if live is None else {k: live[k] for k in ("hits", "misses", "hit_rate")},
                 "rows": [{k: r[k] for k in keep} for r in rows]}
 

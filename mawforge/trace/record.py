@@ -25,6 +25,10 @@ STEP_KINDS = ("prefill", "decode")
 LIVE_COUNTERS = ("hits", "misses", "evictions", "materialized_bytes", "prefetch_issued")
 ARRAYS = ("meta", "block_bytes", "step_kind", "step_tokens", "rec_step", "rec_layer",
           "experts", "weights")
+# Optional (absent in traces recorded before `--prefetch auto`): each step's prefetch state,
+# and each live lookahead prefetch: its step, the number of the step's records before it, and
+# its keys (la_keys[la_start[q]:la_start[q+1]], rows of (layer, expert)).
+LIVE_ARRAYS = ("step_prefetch", "la_step", "la_rec", "la_start", "la_keys")
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,11 @@ class Trace:
     rec_layer: np.ndarray  # [R] int32
     experts: np.ndarray  # [N, k] int
     weights: np.ndarray  # [N, k] float32
+    step_prefetch: np.ndarray | None = None  # [S] uint8, 1: the step prefetched
+    la_step: np.ndarray | None = None   # [Q] int32, step of each lookahead prefetch
+    la_rec: np.ndarray | None = None    # [Q] int32, records of that step before it
+    la_start: np.ndarray | None = None  # [Q + 1] int64, offsets into la_keys
+    la_keys: np.ndarray | None = None   # [K, 2] int32, (layer, expert)
     rec_start: np.ndarray = field(init=False, repr=False)  # [R + 1] row offsets
 
     def __post_init__(self) -> None:
@@ -113,6 +122,51 @@ class Trace:
         if start[-1] != len(self.experts):
             raise FormatError(f"bad trace: records cover {start[-1]} rows, file has {len(self.experts)}")
         object.__setattr__(self, "rec_start", start)
+        self._check_live_arrays()
+
+    def _check_live_arrays(self) -> None:
+        present = [getattr(self, n) is not None for n in LIVE_ARRAYS]
+        if not any(present):
+            return
+        if not all(present):
+            raise FormatError(f"bad trace: it must carry all or none of {', '.join(LIVE_ARRAYS)}")
+        arrays = [getattr(self, n) for n in LIVE_ARRAYS]
+        if any(a.dtype.kind not in "iu" for a in arrays):
+            raise FormatError("bad trace: prefetch arrays must be integers")
+        q, m = len(self.la_step), self.meta
+        checks = [
+            (self.step_prefetch.shape == self.step_kind.shape, "step_prefetch is not [S]"),
+            (np.all(self.step_prefetch <= 1), "step_prefetch holds values other than 0 and 1"),
+            (self.la_step.ndim == 1 and self.la_rec.shape == (q,) and self.la_start.shape == (q + 1,),
+             "lookahead arrays disagree"),
+            (self.la_keys.ndim == 2 and self.la_keys.shape[1] == 2, "la_keys is not [K, 2]"),
+            (np.all((self.la_step >= 0) & (self.la_step < self.n_steps)), "lookahead step out of range"),
+            (np.all(np.diff(self.la_step) >= 0), "lookahead prefetches are not in step order"),
+            (q == 0 or (self.la_start[0] == 0 and np.all(np.diff(self.la_start) >= 0)
+                        and self.la_start[-1] == len(self.la_keys)), "la_start does not cover la_keys"),
+            (np.all((self.la_keys[:, 0] >= 0) & (self.la_keys[:, 0] < m.n_layers)
+                    & (self.la_keys[:, 1] >= 0) & (self.la_keys[:, 1] < m.n_experts)), "lookahead key out of range"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise FormatError(f"bad trace: {msg}")
+        per_step = np.bincount(self.rec_step, minlength=self.n_steps)
+        if q and np.any((self.la_rec < 0) | (self.la_rec > per_step[self.la_step])):
+            raise FormatError("bad trace: lookahead record position out of range")
+
+    @property
+    def has_live_prefetch(self) -> bool:
+        return self.step_prefetch is not None
+
+    def lookaheads(self) -> dict[tuple[int, int], list[list[tuple[int, int]]]]:
+        """(step, records of the step before it) -> the lookahead prefetches issued there, in order."""
+        out: dict = {}
+        if self.la_step is None:
+            return out
+        for q in range(len(self.la_step)):
+            keys = [(int(a), int(b)) for a, b in self.la_keys[self.la_start[q]:self.la_start[q + 1]]]
+            out.setdefault((int(self.la_step[q]), int(self.la_rec[q])), []).append(keys)
+        return out
 
     # -- views ---------------------------------------------------------------------
     @property
@@ -150,7 +204,8 @@ class Trace:
             np.savez_compressed(
                 f, meta=np.frombuffer(meta, dtype=np.uint8), block_bytes=self.block_bytes,
                 step_kind=self.step_kind, step_tokens=self.step_tokens, rec_step=self.rec_step,
-                rec_layer=self.rec_layer, experts=self.experts, weights=self.weights)
+                rec_layer=self.rec_layer, experts=self.experts, weights=self.weights,
+                **{n: getattr(self, n) for n in LIVE_ARRAYS if getattr(self, n) is not None})
         os.replace(tmp, path)
         return path
 
@@ -166,6 +221,7 @@ def load_trace(path: str | os.PathLike) -> Trace:
             if missing:
                 raise FormatError(f"{path} is not a MawForge trace (missing {', '.join(missing)})")
             arrays = {name: z[name] for name in ARRAYS}
+            arrays.update({name: z[name] for name in LIVE_ARRAYS if name in z.files})
     except FormatError:
         raise
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as e:
@@ -209,14 +265,25 @@ class TraceRecorder:
         self._experts: list[np.ndarray] = []
         self._weights: list[np.ndarray] = []
         self._dtype = np.int16 if n_experts <= np.iinfo(np.int16).max else np.int32
+        self._prefetch: list[int] = []
+        self._la: list[tuple[int, int, list]] = []     # (step, records of the step before, keys)
+        self._step_recs = 0
 
-    def begin_step(self, kind: str, n_tokens: int) -> None:
+    def begin_step(self, kind: str, n_tokens: int, prefetch: bool = True) -> None:
         if kind not in STEP_KINDS:
             raise ValueError(f"step kind must be one of {STEP_KINDS}, got {kind!r}")
         if n_tokens <= 0:
             raise ValueError(f"a step needs at least one token, got {n_tokens}")
         self._kinds.append(STEP_KINDS.index(kind))
         self._tokens.append(int(n_tokens))
+        self._prefetch.append(int(bool(prefetch)))
+        self._step_recs = 0
+
+    def lookahead(self, keys) -> None:
+        """A live lookahead prefetch of these (layer, expert) keys, issued now."""
+        if not self._kinds:
+            raise ValueError("lookahead() before begin_step()")
+        self._la.append((len(self._kinds) - 1, self._step_recs, [(int(l), int(e)) for l, e in keys]))
 
     def record(self, layer: int, experts, weights) -> None:
         """experts: [T, k] int; weights: [T, k] float (normalized routing weights)."""
@@ -227,6 +294,7 @@ class TraceRecorder:
         if e.shape[0] != self._tokens[-1]:
             raise ValueError(f"layer {layer} routed {e.shape[0]} tokens, step has {self._tokens[-1]}")
         self._rec_step.append(len(self._kinds) - 1)
+        self._step_recs += 1
         self._rec_layer.append(int(layer))
         self._experts.append(e)
         self._weights.append(w)
@@ -249,7 +317,12 @@ class TraceRecorder:
             rec_step=np.asarray(self._rec_step, dtype=np.int32),
             rec_layer=np.asarray(self._rec_layer, dtype=np.int32),
             experts=np.concatenate(self._experts) if self._experts else np.zeros((0, k), self._dtype),
-            weights=np.concatenate(self._weights) if self._weights else np.zeros((0, k), np.float32))
+            weights=np.concatenate(self._weights) if self._weights else np.zeros((0, k), np.float32),
+            step_prefetch=np.asarray(self._prefetch, dtype=np.uint8),
+            la_step=np.asarray([s for s, _, _ in self._la], dtype=np.int32),
+            la_rec=np.asarray([r for _, r, _ in self._la], dtype=np.int32),
+            la_start=np.concatenate([[0], np.cumsum([len(k) for _, _, k in self._la])]).astype(np.int64),
+            la_keys=np.asarray([key for _, _, ks in self._la for key in ks], dtype=np.int32).reshape(-1, 2))
 
     def save(self, path: str | os.PathLike) -> Path:
         return self.to_trace().save(path)

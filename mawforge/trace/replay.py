@@ -62,21 +62,31 @@ def parse_budget(text: str, total_bytes: int) -> Budget:
     return Budget(t, cap, pct)
 
 
-def drive(trace: Trace, driver: RouteDriver) -> None:
-    """The live runtime's call sequence, applied to a recorded trace."""
-    for step in trace.steps():
+def drive(trace: Trace, driver: RouteDriver, live: bool = False) -> None:
+    """The live runtime's call sequence, applied to a recorded trace. live: also apply what the
+    live run decided beside the routing (each step's prefetch on/off under `--prefetch auto`,
+    and its router-lookahead prefetches, at the points they were issued), as the live check
+    needs; policy comparisons leave it off and compare on routing alone."""
+    on = trace.step_prefetch if live and trace.has_live_prefetch else None
+    la = trace.lookaheads() if live else {}
+    for s, step in enumerate(trace.steps()):
+        driver.enabled = True if on is None else bool(on[s])
         driver.begin_step(step.kind, step.n_tokens)
-        for layer, experts, weights in step.layers:
+        for r, (layer, experts, weights) in enumerate(step.layers):
+            for keys in la.get((s, r), ()):
+                driver.lookahead(keys)
             for _ in driver.layer(layer, experts, weights):
                 pass  # live: free group.evicted, load group.misses, compute
             driver.after_layer(layer)
+        for keys in la.get((s, len(step.layers)), ()):
+            driver.lookahead(keys)
         driver.end_step()
 
 
 def replay_policy(trace: Trace, capacity_bytes: int, policy: str,
-                  prefetch: str | None = None) -> CacheStats:
+                  prefetch: str | None = None, live: bool = False) -> CacheStats:
     core = CacheCore(capacity_bytes, make_policy(policy))
-    drive(trace, RouteDriver(core, trace.block_bytes_fn(), make_prefetcher(prefetch)))
+    drive(trace, RouteDriver(core, trace.block_bytes_fn(), make_prefetcher(prefetch)), live)
     return core.stats()
 
 
@@ -85,7 +95,7 @@ def live_check(trace: Trace) -> dict | None:
     live = trace.meta.live
     if not live:
         return None
-    stats = replay_policy(trace, live["capacity_bytes"], live["policy"], live["prefetch"]).to_dict()
+    stats = replay_policy(trace, live["capacity_bytes"], live["policy"], live["prefetch"], live=True).to_dict()
     replayed = {k: stats[k] for k in LIVE_COUNTERS}
     recorded = {k: live[k] for k in LIVE_COUNTERS}
     return dict(capacity_bytes=live["capacity_bytes"], policy=live["policy"],

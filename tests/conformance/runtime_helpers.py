@@ -15,6 +15,14 @@ def open_rt(pack_dir, budget="100", context: int = 96, **kw) -> api.Runtime:
     return api.Runtime(pack_dir, api.RuntimeOptions(context=context, **kw))
 
 
+def mtp_rt(pack_dir, budget="100", context: int = 96, **kw) -> api.Runtime:
+    """open_rt with prefetch off unless asked: the MTP and rollback checks compare exact
+    counterfactuals, whose cache decisions must follow from routing alone (auto prefetch's
+    lookahead and on/off windows are live-only)."""
+    kw.setdefault("prefetch", "none")
+    return open_rt(pack_dir, budget, context, **kw)
+
+
 def logits(pack_dir, tokens, budget="40", context: int = 96, prefill_chunk: int = 16) -> torch.Tensor:
     rt = open_rt(pack_dir, budget, context=context, prefill_chunk=prefill_chunk)
     try:

@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 from . import api
 from .cases import BY_ARCH, TOKENS
-from .runtime_helpers import logits, open_rt
+from .runtime_helpers import logits, mtp_rt
 
 DS3, OSS = BY_ARCH["deepseek_v3"], BY_ARCH["gpt_oss"]
 
@@ -62,7 +62,7 @@ def test_hf_mxfp4_checkpoint_is_refused_with_advice(sources, tmp_path):
 
 def test_deepseek_without_mtp_tensors_has_no_mtp(sources):
     """DeepSeek-V3 configs default to num_nextn_predict_layers 1; without the tensors there is no MTP."""
-    rt = open_rt(sources.pack(DS3, "hf"))
+    rt = mtp_rt(sources.pack(DS3, "hf"))
     try:
         assert rt.cfg.extra["mtp_layers"] == 1 and not rt.model.has_mtp
         with pytest.raises(api.UnsupportedError, match="has no MTP layers"):

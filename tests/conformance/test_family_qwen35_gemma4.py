@@ -12,7 +12,7 @@ from bounds import F32_MODEL_ATOL, F32_SAME_OPS_ATOL
 from helpers import sample_outputs
 from . import api
 from .cases import BY_ARCH, TOKENS
-from .runtime_helpers import open_rt
+from .runtime_helpers import mtp_rt, open_rt
 
 Q35, G4 = BY_ARCH["qwen3_5_moe"], BY_ARCH["gemma4"]
 PROMPT = list(range(3, 23))
@@ -66,7 +66,7 @@ def test_mtp_block_is_common_and_its_logits_are_the_steps_logits(sources, one_th
     L = api.read_manifest(pack_dir).config.n_layers
     names = {r.name for r in api.read_manifest(pack_dir).common}
     assert {f"blk.{L}.nextn.eh_proj.weight", f"blk.{L}.ffn_gate_up_exps.weight", f"blk.{L}.attn_q.weight"} <= names
-    rt = open_rt(pack_dir, context=64)
+    rt = mtp_rt(pack_dir, context=64)
     try:
         m = rt.model
         ids, nxt = torch.tensor(PROMPT[:12]), torch.tensor(PROMPT[1:13])
@@ -83,7 +83,7 @@ def test_recurrent_rollback_restores_the_state_of_the_accepted_prefix(sources, o
     """Verify W tokens under a mark, roll back to m of them: every delta-net state equals the one
     plain one-token decoding of the same m tokens leaves, and the next logits agree."""
     pack_dir = sources.pack(Q35, "mtp:hf")
-    spec, plain = open_rt(pack_dir, prefill_chunk=4), open_rt(pack_dir)
+    spec, plain = mtp_rt(pack_dir, prefill_chunk=4), mtp_rt(pack_dir)
     drafts = [101, 7, 300, 44, 9]
     try:
         for m in (1, 3, 5, 6):
@@ -115,7 +115,7 @@ def test_rollback_replays_bit_identically(sources, one_thread):
     """The replay runs the chunk's recorded inputs through the same operations: rolling back to the
     end of a chunk reproduces the state the forward left there bit for bit, and rolling back to
     the mark restores the copy."""
-    rt = open_rt(sources.pack(Q35, "mtp:hf"))
+    rt = mtp_rt(sources.pack(Q35, "mtp:hf"))
     states = lambda: [t.clone() for s in rt.kv.state if s for t in s]
     try:
         rt.forward(PROMPT)
@@ -147,7 +147,7 @@ def test_mtp_drafted_sampling_matches_the_exact_distribution(sources, monkeypatc
     the accept and the resample paths run; 700 seeded requests must match the exact joint."""
     params = dict(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
     pack_dir = sources.pack(Q35, "mtp:hf")
-    rt, ref = open_rt(pack_dir, context=32), open_rt(pack_dir, context=32)
+    rt, ref = mtp_rt(pack_dir, context=32), mtp_rt(pack_dir, context=32)
     prompt = [11, 12]
     sampler = api.Sampler(api.SamplingParams(**params))
     cache: dict = {}

@@ -12,7 +12,7 @@ import torch
 from bounds import F32_MODEL_ATOL
 from . import api
 from .cases import ids, pairs
-from .runtime_helpers import open_rt
+from .runtime_helpers import mtp_rt as open_rt
 
 PROMPT = list(range(3, 23))
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,0 +1,290 @@
+"""The headline benchmark: the full-size shape-true Qwen3-30B-A3B file (48 layers, 18.5 GB) resident
+and inside cgroup v1 memory limits (12, 8, 6 GiB), MawForge against llama.cpp's default load
+(repack on) and its repack-off load, in the same run; each engine both teacher-forced and as
+greedy generation on the prompt classes of `mawforge bench`.
+
+    python benchmarks/fullsize.py [--layers 48] [--limits 12,8,6] [--greedy-tokens 24]
+
+Each (engine, configuration) is one child process, started on a dropped page cache (and inside
+its own cgroup under a limit), that loads once and then runs: a 64-token random prompt and 32
+teacher-forced random decode tokens (the first 4 warm-up), then for each prompt class a reset, the
+class's first prompt (TTFT = its prefill) and greedy decode. llama.cpp under a limit runs the
+short form (the same 64-token prompt, 4 decode tokens, one class), as it decodes at a fraction of
+a token a second there. MawForge runs with its defaults (`--prefetch auto`, thread governor on); the
+`mawforge none` rows turn prefetch off in the same run, to show what auto prefetch buys.
+Per-token stall figures (the share of decode tokens that waited on a read, p50/p95 wait) come
+from MawForge's own counters; llama.cpp has no such counter (its reads are page faults).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import llama_repack_off, machine, pack_of, save, synth_model, worker_row  # noqa: E402
+
+THREADS = int(os.environ.get("MAWFORGE_BENCH_THREADS", "2"))
+GiB = 2**30
+
+
+def rand_tokens(n: int, seed: int, vocab: int = 151000) -> list[int]:
+    import numpy as np
+    return [int(t) for t in np.random.default_rng(seed).integers(1000, vocab, n)]
+
+
+class Stalls:
+    def __init__(self) -> None:
+        self.waits, self.tokens = [], 0
+
+    def add(self, wait: float) -> None:
+        self.tokens += 1
+        if wait > 0:
+            self.waits.append(wait)
+
+    def summary(self) -> dict:
+        w = sorted(self.waits)
+        q = (lambda p: w[max(0, math.ceil(len(w) * p) - 1)]) if w else (lambda p: 0.0)   # nearest rank
+        return {"stall_token_share": len(w) / max(1, self.tokens), "stall_p50_s": q(0.5), "stall_p95_s": q(0.95)}
+
+
+# ---- workers (child processes) ---------------------------------------------------------------
+class LlamaEngine:
+    def __init__(self, a) -> None:
+        import llama_cpp
+        if a.no_repack:
+            llama_repack_off()
+        self.llm = llama_cpp.Llama(a.model, n_ctx=1024, n_batch=512, n_threads=THREADS,
+                                   n_threads_batch=THREADS, verbose=False)
+
+    def encode(self, text: str) -> list[int]:
+        return self.llm.tokenize(text.encode(), add_bos=False, special=False)
+
+    def reset(self) -> None:
+        self.llm.reset()
+
+    def run(self, ids: list[int]) -> int:
+        """Run ids at the next positions; the greedy next token."""
+        import numpy as np
+        self.llm.eval(ids)
+        return int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+
+    def wait(self) -> float:
+        return 0.0
+
+    def read_bytes(self) -> int:
+        return 0
+
+    def needed_bytes(self) -> int:
+        return 0
+
+    def report(self) -> dict:
+        return {}
+
+
+class MawEngine:
+    def __init__(self, a) -> None:
+        import torch
+
+        from mawforge.engine.runtime import Runtime, RuntimeOptions
+        torch.set_num_threads(THREADS)
+        self.torch = torch
+        self.rt = Runtime(a.pack, RuntimeOptions(context=1024, expert_cache_percent=a.cache_percent,
+                                                 memory_budget_gib=a.budget_gib, prefill_chunk=a.prefill_chunk,
+                                                 threads=THREADS, check_digests=False,
+                                                 stream_embeddings=a.budget_gib is not None, prefetch=a.prefetch))
+        if a.preload:
+            self.rt.cache.preload()
+
+    def encode(self, text: str) -> list[int]:
+        return self.rt.tokenizer.encode(text)
+
+    def reset(self) -> None:
+        self.rt.reset()
+
+    def run(self, ids: list[int]) -> int:
+        kind = "decode" if len(ids) == 1 else None
+        return int(self.torch.argmax(self.rt.forward(ids, kind=kind)[-1]))
+
+    def wait(self) -> float:
+        return self.rt.cache.read_wait_seconds()
+
+    def read_bytes(self) -> int:
+        s = self.rt.cache.stats()
+        return s["materialized_bytes"] + s["prefetch_issued_bytes"]
+
+    def needed_bytes(self) -> int:
+        return self.rt.cache.prefill_needed_bytes()
+
+    def report(self) -> dict:
+        s, p = self.rt.cache.stats(), self.rt.plan
+        return {"hit_rate": s["hit_rate"], "materialized_bytes": s["materialized_bytes"],
+                "prefetch_issued_bytes": s["prefetch_issued_bytes"], "prefetch_useful_bytes": s["prefetch_useful_bytes"],
+                "prefetch_wasted_bytes": s["prefetch_wasted_bytes"], "prefetch_spared": s["prefetch_spared"],
+                "expert_cache_bytes": p.E, "planned_F": p.F, "cache_percent": p.cache_percent,
+                "prefetch": self.rt.prefetch_report(),
+                "compute_threads": self.rt.governor.report() if self.rt.governor is not None else None}
+
+
+def decode_loop(eng, first: int, feed: list[int] | None, n: int, warmup: int) -> dict:
+    """n one-token steps, teacher-forced over `feed` or greedy from `first`."""
+    times, stalls, tok, read0 = [], Stalls(), first, None
+    for i in range(n):
+        if i == warmup:
+            read0 = eng.report().get("materialized_bytes", 0) + eng.report().get("prefetch_issued_bytes", 0)
+        x = feed[i] if feed is not None else tok
+        w0, t0 = eng.wait(), time.perf_counter()
+        tok = eng.run([x])
+        times.append(time.perf_counter() - t0)
+        if i >= warmup:
+            stalls.add(eng.wait() - w0)
+    warm = times[warmup:]
+    out = {"decode_tok_s": len(warm) / sum(warm), **stalls.summary()}
+    rep = eng.report()
+    if "materialized_bytes" in rep:
+        out["read_bytes_per_token"] = (rep["materialized_bytes"] + rep["prefetch_issued_bytes"] - read0) / len(warm)
+    return out
+
+
+def work(a) -> dict:
+    from mawforge.bench.prompts import prompt_for
+    t0 = time.perf_counter()
+    eng = MawEngine(a) if a.engine == "maw" else LlamaEngine(a)
+    out = {"load_s": time.perf_counter() - t0}
+    prompt = rand_tokens(a.prompt_tokens, 1)
+    read0 = eng.read_bytes()
+    t0 = time.perf_counter()
+    first = eng.run(prompt)
+    out["ttft_s"] = time.perf_counter() - t0
+    out["prefill_tok_s"] = len(prompt) / out["ttft_s"]
+    out["prefill_read_bytes"], out["prefill_needed_bytes"] = eng.read_bytes() - read0, eng.needed_bytes()
+    out.update(decode_loop(eng, first, rand_tokens(a.decode_tokens, 2), a.decode_tokens, a.warmup))
+    out["teacher_forced"] = eng.report()
+    greedy = {}
+    for cls in [c for c in a.classes.split(",") if c]:
+        eng.reset()
+        ids = eng.encode(prompt_for(cls, 0))
+        t0 = time.perf_counter()
+        first = eng.run(ids)
+        g = {"prompt_tokens": len(ids), "ttft_s": time.perf_counter() - t0}
+        g.update(decode_loop(eng, first, None, a.greedy_tokens, min(2, a.greedy_tokens - 1)))
+        greedy[cls] = g
+    out["greedy"] = greedy
+    out["final"] = eng.report()
+    return out
+
+
+# ---- driver ----------------------------------------------------------------------------------
+def child(args: list[str], limit_bytes: int | None, timeout: float) -> dict:
+    return worker_row(__file__, args, limit_bytes, timeout)
+
+
+def greedy_tok_s(r: dict) -> float:
+    g = [v["decode_tok_s"] for v in r.get("greedy", {}).values()]
+    return statistics.median(g) if g else float("nan")
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        ap = argparse.ArgumentParser()
+        ap.add_argument("worker")
+        ap.add_argument("engine", choices=("llama", "maw"))
+        ap.add_argument("--model")
+        ap.add_argument("--pack")
+        ap.add_argument("--cache-percent", type=float)
+        ap.add_argument("--budget-gib", type=float)
+        ap.add_argument("--preload", action="store_true")
+        ap.add_argument("--prefetch", default="auto")
+        ap.add_argument("--prefill-chunk", type=int, default=512, help="MawForge: as llama.cpp's n_batch here")
+        ap.add_argument("--no-repack", action="store_true")
+        ap.add_argument("--prompt-tokens", type=int, default=64)
+        ap.add_argument("--decode-tokens", type=int, default=32)
+        ap.add_argument("--warmup", type=int, default=4)
+        ap.add_argument("--classes", default="code,summarization,writing,reasoning")
+        ap.add_argument("--greedy-tokens", type=int, default=24)
+        print(json.dumps(work(ap.parse_args())))
+        return 0
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--limits", default="12,8,6", help="cgroup limits in GiB ('' for resident only)")
+    ap.add_argument("--greedy-tokens", type=int, default=24)
+    ap.add_argument("--classes", default="code,summarization,writing,reasoning")
+    ap.add_argument("--no-llama-default-under-limits", action="store_true",
+                    help="skip llama.cpp's default load under limits (it copies the weights: OOM below the file size)")
+    ap.add_argument("--none-at", default="8", help="limits (GiB) where MawForge also runs with --prefetch none")
+    ap.add_argument("--only", default="", help="comma list of configs to run (resident, 12, 8, ...)")
+    ap.add_argument("--timeout", type=float, default=1200)
+    a = ap.parse_args()
+    gguf = synth_model(a.layers, "Q4_K_M", skew=1.0, stickiness=0.3)
+    pack = pack_of(gguf)
+    size = os.path.getsize(gguf)
+    full = ["--classes", a.classes, "--greedy-tokens", str(a.greedy_tokens)]
+    # same prompts as MawForge (TTFT compares), fewer decode tokens and one class
+    short = ["--decode-tokens", "4", "--warmup", "1", "--classes", a.classes.split(",")[0], "--greedy-tokens", "4"]
+    configs = [("resident", None)] + [(f"{g} GiB", float(g)) for g in a.limits.split(",") if g]
+    only = {x.strip() for x in a.only.split(",") if x.strip()}
+    rows = []
+
+    def add(config, name, r):
+        r.update(model=gguf.name, layers=a.layers, config=config, engine=name, file_bytes=size)
+        rows.append(r)
+        brief = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
+                 if k in ("config", "engine", "status", "ttft_s", "decode_tok_s", "stall_token_share", "peak_rss_bytes")}
+        brief["greedy_tok_s"] = round(greedy_tok_s(r), 3)
+        print(json.dumps(brief), flush=True)
+
+    for config, gib in configs:
+        if only and config.split()[0] not in only:
+            continue
+        limit = int(gib * GiB) if gib else None
+        lim_args = full if limit is None else short
+        if limit is None or not a.no_llama_default_under_limits:
+            add(config, "llama.cpp default", child(["llama", "--model", str(gguf), *lim_args], limit, a.timeout))
+        add(config, "llama.cpp repack off", child(["llama", "--model", str(gguf), "--no-repack", *lim_args], limit, a.timeout))
+        if limit is None:
+            add(config, "mawforge", child(["maw", "--pack", str(pack), "--cache-percent", "100", "--preload", *full],
+                                          None, a.timeout))
+        else:
+            # the budget leaves 8% of the limit to the page cache and the kernel (as decode.py)
+            budget = ["--budget-gib", f"{gib * 0.92:.3f}"]
+            add(config, "mawforge", child(["maw", "--pack", str(pack), *budget, *full], limit, a.timeout))
+            if config.split()[0] in a.none_at.split(","):
+                add(config, "mawforge none", child(["maw", "--pack", str(pack), *budget, "--prefetch", "none", *full],
+                                                   limit, a.timeout))
+    print(f"\n# full-size benchmark, {machine()}, {THREADS} threads each, file {size / 1e9:.2f} GB")
+    print(f"{'config':10s} {'engine':22s} {'status':12s} {'TTFT s':>7s} {'TF tok/s':>9s} {'greedy tok/s':>12s} "
+          f"{'stall %':>7s} {'p50 ms':>7s} {'p95 ms':>7s} {'hit %':>6s} {'MB/tok':>7s} {'peak RSS GiB':>12s} {'F GiB':>6s} "
+          f"{'prefill read/need GB':>20s}")
+    for r in rows:
+        tf = r.get("teacher_forced", {})
+        print(f"{r['config']:10s} {r['engine']:22s} {r['status'][:12]:12s} {r.get('ttft_s', 0):7.2f} "
+              f"{r.get('decode_tok_s', 0):9.3f} {greedy_tok_s(r):12.3f} {100 * r.get('stall_token_share', 0):7.1f} "
+              f"{1e3 * r.get('stall_p50_s', 0):7.1f} {1e3 * r.get('stall_p95_s', 0):7.1f} "
+              f"{100 * tf.get('hit_rate', 0):6.1f} {r.get('read_bytes_per_token', 0) / 1e6:7.1f} "
+              f"{r['peak_rss_bytes'] / GiB:12.2f} {tf.get('planned_F', 0) / GiB:6.2f} "
+              f"{r.get('prefill_read_bytes', 0) / 1e9:9.2f}/{r.get('prefill_needed_bytes', 0) / 1e9:<10.2f}")
+    by = {(r["config"], r["engine"]): r for r in rows if r["status"] == "ok"}
+    resident = by.get(("resident", "mawforge"))
+    for config, _ in configs:
+        m = by.get((config, "mawforge"))
+        if m is None:
+            continue
+        parts = []
+        for peer in ("llama.cpp default", "llama.cpp repack off"):
+            p = by.get((config, peer))
+            if p:
+                parts.append(f"TF {m['decode_tok_s'] / p['decode_tok_s']:.2f}x {peer}, "
+                             f"TTFT {m['ttft_s'] / p['ttft_s']:.2f}x")
+        if resident is not None and config != "resident":
+            parts.append(f"greedy {greedy_tok_s(m) / greedy_tok_s(resident):.2f} of resident greedy")
+        print(f"{config}: " + "; ".join(parts))
+    print(f"saved {save('fullsize', {'machine': machine(), 'rows': rows})}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""`--prefetch auto`: the on/off governor, the rule that a prefetch spares the blocks about to be
+used, and route traces that replay a run with auto prefetch and router lookahead exactly."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import numpy as np
+import pytest
+
+from mawforge.cache.core import CacheCore, RouteDriver
+from mawforge.cache.policies import make_policy
+from mawforge.engine.generate import generate
+from mawforge.engine.prefetch_auto import PrefetchGovernor
+from mawforge.engine.run import make_recorder
+from mawforge.engine.runtime import Runtime, RuntimeOptions
+from mawforge.engine.sampling import SamplingParams
+from mawforge.errors import FormatError
+from mawforge.trace.record import load_trace
+from mawforge.trace.replay import LIVE_COUNTERS, live_check, replay_policy
+
+
+def _feed(gov: PrefetchGovernor, seconds: dict, tokens: int) -> list[bool]:
+    states = []
+    for _ in range(tokens):
+        on = gov.before_step()
+        states.append(on)
+        gov.after_step(on, 1, seconds["on" if on else "off"])
+    return states
+
+
+def test_governor_turns_prefetch_off_when_it_loses_and_says_why():
+    gov = PrefetchGovernor(window=2, probe_every=3)
+    states = _feed(gov, {"on": 0.5, "off": 0.25}, 60)      # prefetch on: 2 tok/s, off: 4 tok/s
+    rep = gov.report()
+    assert rep["mode"] == "auto" and rep["tok_s"]["on"] == pytest.approx(2.0) and rep["tok_s"]["off"] == pytest.approx(4.0)
+    assert states[:2] == [True, True]                        # starts on, explores off next
+    assert sum(states[10:]) < sum(not s for s in states[10:])  # mostly off once measured
+    assert any(s for s in states[10:])                       # but keeps re-probing on
+    reasons = [s["why"] for s in rep["recent_switches"] if s["to"] == "off"]
+    assert reasons and any(r.startswith("faster: off 4 tok/s against on 2") for r in reasons)
+    assert rep["switches"] >= 3
+
+
+def test_governor_keeps_prefetch_on_when_it_wins():
+    gov = PrefetchGovernor(window=2, probe_every=3)
+    states = _feed(gov, {"on": 0.2, "off": 0.4}, 60)
+    assert gov.report()["state"] == "on" or gov.report()["recent_switches"][-1]["why"].startswith("probe")
+    assert sum(states[10:]) > sum(not s for s in states[10:])
+
+
+def test_a_prefetch_spares_the_blocks_about_to_be_used():
+    B = 100
+    core = CacheCore(3 * B, make_policy("lru"))
+    driver = RouteDriver(core, lambda layer, e: B)
+    for key in ((0, 5), (1, 0), (3, 7)):
+        core.access(key, B)
+    # a lookahead for layer 1 (issued before layer 0 runs) makes room with layer 3's block,
+    # never with layer 0's or layer 1's
+    plan = driver.lookahead([(1, 2)])
+    assert plan.loads == ((1, 2),) and plan.evicted == ((3, 7),)
+    # now only blocks of layers 0 and 1 remain: the next lookahead is dropped, nothing evicted
+    plan = driver.lookahead([(1, 3)])
+    assert plan.loads == () and plan.evicted == ()
+    assert set(core.resident()) == {(0, 5), (1, 0), (1, 2)}
+    s = core.stats()
+    assert s.prefetch_dropped == 1 and s.prefetch_spared == 1
+    # a prefetch issued after layer 0 ran spares only layer 1: layer 0's block makes room
+    plan = driver.prefetch([(1, 3)])
+    assert plan.loads == ((1, 3),) and plan.evicted == ((0, 5),)
+    # a demand access still evicts as before (LRU: the oldest)
+    hit, gone = core.access((2, 1), B)
+    assert not hit and gone == [(1, 0)]
+
+
+def test_a_disabled_driver_issues_no_prefetch():
+    core = CacheCore(4 * 100, make_policy("lru"))
+    from mawforge.cache.policies import make_prefetcher
+    driver = RouteDriver(core, lambda layer, e: 100, make_prefetcher("confidence:0.2"))
+    driver.begin_step("decode", 1)
+    list(driver.layer(0, np.array([[1, 2]]), np.array([[0.6, 0.4]])))
+    list(driver.layer(1, np.array([[3, 4]]), np.array([[0.7, 0.3]])))
+    driver.enabled = False
+    assert not driver.begin_step("decode", 1) and not driver.after_layer(0)
+    driver.enabled = True
+    assert driver.after_layer(0).loads == () and set(driver.after_layer(0).probed) == {(1, 3), (1, 4)}
+
+
+@pytest.fixture(scope="module")
+def auto_run(packs, tmp_path_factory):
+    """A greedy run with auto prefetch at 40% cache, the governor's windows shortened so that it
+    switches prefetch on and off within the run, recorded to a route trace."""
+    pack = packs[("qwen3_moe", "Q4_K_M")]
+    path = tmp_path_factory.mktemp("auto") / "trace.npz"
+    recorder = make_recorder(argparse.Namespace(trace_out=str(path), pack=pack))
+    rt = Runtime(pack, RuntimeOptions(context=320, prefill_chunk=16, expert_cache_percent=40), recorder)
+    assert rt.prefetch_governor is not None and rt.lookahead      # auto is the default
+    rt.prefetch_governor = PrefetchGovernor(window=1, probe_every=2)
+    try:
+        ids = rt.tokenizer.encode("The expert cache keeps what the router asks for")
+        evs = list(generate(rt, ids, SamplingParams(max_tokens=32, ignore_eos=True)))
+        recorder.set_live(rt.plan.E, "lru", rt.prefetch_spec, rt.cache.core.stats())
+        recorder.save(path)
+        stats = rt.cache.stats()
+    finally:
+        rt.close()
+    plain = Runtime(pack, RuntimeOptions(context=320, prefill_chunk=16, expert_cache_percent=40, prefetch="none"))
+    try:
+        want = [e.token for e in generate(plain, ids, SamplingParams(max_tokens=32, ignore_eos=True))]
+    finally:
+        plain.close()
+    return dict(path=path, tokens=[e.token for e in evs], want=want, telemetry=evs[-1].telemetry, stats=stats)
+
+
+def test_auto_prefetch_is_transparent_and_reported(auto_run):
+    assert auto_run["tokens"] == auto_run["want"]
+    rep = auto_run["telemetry"].prefetch
+    assert rep["mode"] == "auto" and rep["lookahead"] and rep["switches"] >= 1
+    assert rep["windows"]["on"] >= 1 and rep["windows"]["off"] >= 1
+    s = auto_run["stats"]
+    assert s["prefetch_issued"] > 0
+    assert s["prefetch_issued_bytes"] == s["prefetch_useful_bytes"] + s["prefetch_wasted_bytes"] + s["prefetch_pending_bytes"]
+
+
+def test_trace_of_an_auto_run_replays_its_live_counters_exactly(auto_run):
+    trace = load_trace(auto_run["path"])
+    assert trace.has_live_prefetch
+    assert set(trace.step_prefetch.tolist()) == {0, 1}           # both states were recorded
+    assert len(trace.la_step) > 0 and len(trace.la_keys) > 0     # and the lookahead prefetches
+    check = live_check(trace)
+    assert check["match"], check
+    # the recorded decisions matter: replaying the routing alone gives other counters
+    live = trace.meta.live
+    alone = replay_policy(trace, live["capacity_bytes"], live["policy"], live["prefetch"]).to_dict()
+    assert {k: alone[k] for k in LIVE_COUNTERS} != check["recorded"]
+
+
+def test_damaged_prefetch_arrays_are_format_errors(auto_run, tmp_path):
+    trace = load_trace(auto_run["path"])
+    bad_keys = trace.la_keys.copy()
+    bad_keys[0, 1] = 10_000
+    cases = {
+        "out of range": dict(la_keys=bad_keys),
+        "all or none": dict(la_step=None),
+        "step_prefetch": dict(step_prefetch=np.full_like(trace.step_prefetch, 2)),
+        "record position": dict(la_rec=trace.la_rec + 1000),
+        "cover": dict(la_start=trace.la_start[:-1]),
+    }
+    for why, change in cases.items():
+        fields = {f.name: getattr(trace, f.name) for f in dataclasses.fields(trace) if f.init}
+        fields.update(change)
+        with pytest.raises(FormatError, match="bad trace"):
+            type(trace)(**fields)
+    # a trace from before auto prefetch (no such arrays) still loads, and replays on routing alone
+    fields = {f.name: getattr(trace, f.name) for f in dataclasses.fields(trace) if f.init}
+    for name in ("step_prefetch", "la_step", "la_rec", "la_start", "la_keys"):
+        fields[name] = None
+    old = type(trace)(**fields).save(tmp_path / "old.npz")
+    assert not load_trace(old).has_live_prefetch
+
+
+def test_thread_governor_says_when_a_step_is_safe_to_time():
+    from mawforge.engine.threads import ThreadGovernor
+    gov = ThreadGovernor(2, window=1, probe_every=2)
+    c = gov.chooser
+    assert not gov.settled()                       # nothing measured yet
+    c.record(2, 1, 0.5)                            # 2 threads: 2 tok/s; next explores 1
+    assert c.current == 1 and not gov.settled()
+    c.record(1, 1, 1.0)                            # 1 thread: 1 tok/s; back to the best
+    assert c.current == 2 and gov.settled()
+    c.record(2, 1, 0.5)                            # the next window probes 1 thread
+    assert c.current == 1 and not gov.settled()
