@@ -26,11 +26,9 @@ from mawforge.errors import FormatError, UnsupportedError
 
 
 @dataclass(frozen=True)
-class Args(ArchArgs):
-    dense_layers: tuple = ()        # the first first_k_dense_replace layers: dense SwiGLU, no routed experts
+class Args(ArchArgs):   # and the shared dense_layers (the first first_k_dense_replace), mtp_layers
     rope_dim: int = 0               # dims of each head RoPE rotates (head_dim * partial_rotary_factor)
     router: dict | None = None      # groups, groups_used (group-limited choice), scale (routed_scaling_factor)
-    mtp_layers: int = 0             # MTP (nextn) layers after the model's; drafting needs their tensors
 
 
 # ---- readers (torch-free): config.json / GGUF metadata -> ModelConfig field overrides ----
