@@ -92,6 +92,13 @@ CASES: tuple[ArchCase, ...] = (
              transparent=("Q8_0",), mtp=("mtp:hf", "mtp:F32", "mtp:Q8_0"), mtp_greedy=("mtp:hf",), recurrent=True),
     ArchCase("gemma4", "q35_gemma4", ggufs=("F32", "Q8_0"), llama=(Llama("F32"), Llama("Q8_0", 0.95)),
              transparent=("Q8_0",)),
+    # GLM-4.5/4.6 MoE (grouped sigmoid routing, dense first layer, shared expert, partial RoPE, MTP).
+    # Measured top-1 vs llama.cpp on these 40 positions: F32 40/40, Q8_0 40/40 (bound 0.95 as the others).
+    # hf_air: GLM-4.5-Air's attention (no q/k norm).
+    ArchCase("glm4_moe", "glm4moe", hf=("hf", "hf_fused", "hf_air"), logits=("hf", "hf_fused", "hf_air", "F32"),
+             ggufs=("F32", "Q8_0"), llama=(Llama("F32"), Llama("Q8_0", 0.95)),
+             transparent=("hf", "Q8_0"), plan_source="hf", dense_layers=(0,),
+             mtp=("mtp:hf", "mtp:F32", "mtp:Q8_0"), mtp_greedy=("mtp:hf", "mtp:Q8_0")),
 )
 
 BY_ARCH = {c.arch: c for c in CASES}
