@@ -13,7 +13,7 @@ from typing import Any
 
 from mawforge.errors import FormatError, UnsupportedError
 
-SUPPORTED_ARCHS = ("qwen3moe", "qwen2moe", "mixtral", "olmoe", "qwen35moe", "gemma4", "deepseek2", "gpt-oss")
+SUPPORTED_ARCHS = ("qwen3moe", "qwen2moe", "mixtral", "olmoe", "qwen35moe", "gemma4", "deepseek2", "gpt-oss", "llama4")
 
 HF_MODEL_TYPES = {
     "qwen3_moe": "qwen3moe",
@@ -23,6 +23,7 @@ HF_MODEL_TYPES = {
     "qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe",
     "gemma4": "gemma4", "gemma4_text": "gemma4",
     "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "gpt_oss": "gpt-oss",
+    "llama4": "llama4", "llama4_text": "llama4",
 }
 
 # Facts that the file formats do not carry, per architecture (from the transformers
@@ -36,6 +37,7 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma4": dict(qk_norm="head", norm_topk_prob=True, rope_layout="neox"),
     "deepseek2": dict(qk_norm="none", rope_layout="norm"),   # interleaved-pair RoPE on the rope part
     "gpt-oss": dict(qk_norm="none", norm_topk_prob=True, rope_layout="neox", qkv_bias=True),
+    "llama4": dict(qk_norm="none", norm_topk_prob=False, rope_layout="norm"),   # L2 qk norm: extra
 }
 
 
@@ -361,6 +363,10 @@ from mawforge.formats import families_ds_oss as _ds_oss  # noqa: E402  (DeepSeek
 
 _FAMILY_HF.update(deepseek2=_ds_oss.deepseek2_hf, **{"gpt-oss": _ds_oss.gptoss_hf})
 _FAMILY_GGUF.update(deepseek2=_ds_oss.deepseek2_gguf, **{"gpt-oss": _ds_oss.gptoss_gguf})
+
+from mawforge.formats import family_llama4 as _llama4  # noqa: E402
+
+_FAMILY_HF["llama4"], _FAMILY_GGUF["llama4"] = _llama4.llama4_hf, _llama4.llama4_gguf
 
 
 def _family_hf(arch: str, cfg: dict) -> dict:

@@ -77,6 +77,11 @@ _HF_ARCH = {
         (r"layers\.(\d+)\.hnorm\.weight", "blk.{0}.nextn.hnorm.weight"),
         (r"layers\.(\d+)\.shared_head\.norm\.weight", "blk.{0}.nextn.shared_head_norm.weight"),
     ],
+    "llama4": [      # dense MLP and shared expert under feed_forward., the router
+        (r"layers\.(\d+)\.feed_forward\.(gate|up|down)_proj\.weight", "blk.{0}.ffn_{1}.weight"),
+        (r"layers\.(\d+)\.feed_forward\.shared_expert\.(gate|up|down)_proj\.weight", "blk.{0}.ffn_{1}_shexp.weight"),
+        (r"layers\.(\d+)\.feed_forward\.router\.weight", "blk.{0}.ffn_gate_inp.weight"),
+    ],
     "gpt-oss": [
         (r"layers\.(\d+)\.post_attention_layernorm\.weight", "blk.{0}.post_attention_norm.weight"),
         (r"layers\.(\d+)\.self_attn\.o_proj\.bias", "blk.{0}.attn_output.bias"),
@@ -87,12 +92,15 @@ _HF_ARCH = {
 
 # Expert kinds whose HF layout differs per arch. GPT-OSS stores experts input-major
 # (x @ W): gate_up_proj [E, H, 2F] with gate/up interleaved in the columns, down_proj [E, F, H].
-_HF_EXPERT_KINDS = {"gpt-oss": {"gate_up": "gate_up_t", "down": "down_t"}}
+_HF_EXPERT_KINDS = {"gpt-oss": {"gate_up": "gate_up_t", "down": "down_t"},
+                    "llama4": {"gate_up": "gate_up_t", "down": "down_t"}}   # [E, H, 2F], gate first
 
 # HF routed experts: (pattern, kind, fused). Fused = one 3-D parameter for all experts.
 _HF_EXPERTS = [
     (r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.gate_up_proj", "gate_up", True),
     (r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.down_proj", "down", True),
+    (r"layers\.(\d+)\.feed_forward\.experts\.gate_up_proj", "gate_up", True),   # llama4, input-major
+    (r"layers\.(\d+)\.feed_forward\.experts\.down_proj", "down", True),
     (r"layers\.(\d+)\.experts\.gate_up_proj", "gate_up", True),    # gemma4: experts beside the MLP
     (r"layers\.(\d+)\.experts\.down_proj", "down", True),
     (r"layers\.(\d+)\.mlp\.experts\.gate_up_proj_bias", "gate_up_bias", True),   # gpt-oss [E, 2F]

@@ -45,6 +45,12 @@ def _deepseek2(cfg: ModelConfig, layer: int) -> tuple:
     return ("attn_norm.weight", "ffn_norm.weight", "attn_kv_a_mqa.weight", "attn_output.weight") + q + ffn
 
 
+def _llama4(cfg: ModelConfig, layer: int) -> tuple:
+    ffn = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight") if layer in cfg.extra.get("dense_layers", ()) \
+        else ROUTER + SHARED
+    return ATTN + ("ffn_norm.weight",) + ffn
+
+
 def _gptoss(cfg: ModelConfig, layer: int) -> tuple:
     return ATTN + ("post_attention_norm.weight", "attn_sinks.weight") + ROUTER
 
@@ -53,6 +59,7 @@ REQUIRED: dict[str, Callable[[ModelConfig, int], tuple]] = {
     "qwen3moe": _llama_like(qk_norm=True), "olmoe": _llama_like(qk_norm=True),
     "mixtral": _llama_like(), "qwen2moe": _llama_like(shared=True),
     "qwen35moe": _qwen35moe, "gemma4": _gemma4, "deepseek2": _deepseek2, "gpt-oss": _gptoss,
+    "llama4": _llama4,
 }
 
 

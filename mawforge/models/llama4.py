@@ -1,0 +1,143 @@
+"""Llama 4 MoE (HF `llama4_text` / `llama4`, text only; GGUF `llama4`), e.g. Scout 17B-16E and
+Maverick 17B-128E. Family settings: mawforge/formats/family_llama4.py.
+
+Attention: GQA, no biases. RoPE layers rotate interleaved pairs (HF's complex view of q/k; GGUF
+keeps HF's rows, llama.cpp's NORM rope) with llama3 frequency scaling (HF: from rope_parameters;
+GGUF: the rope_freqs.weight divisors), then L2-normalize q and k per head (weightless RMS norm,
+eps = rms_norm_eps) and attend within their chunk only: a query at position p sees keys at
+positions p' <= p with p' // chunk == p // chunk. Every 4th layer is NoPE: no rotation, no qk
+norm, full causal attention, and q scaled by the temperature 1 + attn_scale * log(1 + floor((p +
+1) / floor_scale)). Softmax scale head_dim^-0.5.
+FFN: dense SwiGLU layers (intermediate_size_mlp) interleave with MoE layers. An MoE layer runs a
+shared SwiGLU expert on every token plus the top-k (k = 1 in the released models) routed experts
+chosen by the router's raw logits; each chosen expert gets sigmoid(logit) * x as INPUT (not a
+weight on its output: SwiGLU is not linear, so the two differ). The expert cache is asked with
+that scaled input and weight 1, so route traces record 1.0 as the weight.
+Experts: GGUF ffn_{gate,up,down}_exps (the plain SwiGLU the fused native kernel runs); HF fused
+input-major gate_up_proj [E, H, 2F] (gate columns first) and down_proj [E, F, H], computed x @ W.
+
+Legend: T tokens, C hidden, H q heads, G kv heads, D head dim, S cached positions, k experts per token.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from mawforge.formats import quants
+from mawforge.kernels import linear, native
+from mawforge.models.base import MoETransformer, attend
+
+
+def input_major_expert(x: torch.Tensor, parts: dict) -> torch.Tensor:
+    """One routed expert stored as HF keeps it (x @ W). x [n, C] -> [n, C]."""
+    if "gate_up_t" not in parts:
+        g, u = linear(x, parts["gate"]).float(), linear(x, parts["up"]).float()
+        return linear(F.silu(g) * u, parts["down"]).float()
+    g, u = (x.float() @ quants.dequantize(parts["gate_up_t"])).chunk(2, dim=-1)   # [n, F] each
+    return (F.silu(g) * u) @ quants.dequantize(parts["down_t"])
+
+
+def llama3_inv_freq(head_dim: int, base: float, s: dict | None) -> torch.Tensor:
+    """transformers' _compute_llama3_parameters (float64 here): low frequencies divided by
+    `factor`, high ones kept, a smooth ramp between. [D/2]"""
+    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    if not s:
+        return inv
+    old, lo, hi, factor = s["original_context"], s["low_freq_factor"], s["high_freq_factor"], s["factor"]
+    wavelen = 2 * math.pi / inv
+    smooth = (old / wavelen - lo) / (hi - lo) if hi != lo else torch.zeros_like(inv)
+    out = torch.where(wavelen > old / lo, inv / factor, inv)
+    mid = (wavelen >= old / hi) & (wavelen <= old / lo)
+    return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, out)
+
+
+def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class Llama4(MoETransformer, arch="llama4"):
+    def __init__(self, cfg, weights, experts, device):
+        super().__init__(cfg, weights, experts, device)
+        x = cfg.extra
+        self.moe, self.rope_on, self.chunk = set(x["moe_layers"]), x["rope_layers"], x["chunk"]
+        self.l2_qk, self.temp, self.dense_ff = bool(x["qk_norm"]), x.get("temperature"), x["dense_ff"]
+        if x.get("experts_input_major"):
+            self.expert_fn = input_major_expert
+        inv = llama3_inv_freq(cfg.head_dim, cfg.rope_base, x.get("rope_scaling"))
+        if weights.has("rope_freqs.weight"):          # GGUF: llama3's per-pair divisors
+            inv = inv / weights.dense("rope_freqs.weight").reshape(-1).double().cpu()
+        self.inv_freq = inv.to(device)
+        self._rot: tuple | None = None
+
+    # ---- attention -------------------------------------------------------------------------
+    def _cos_sin(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, D/2] for this chunk's positions, computed once per forward."""
+        if self._rot is None or self._rot[0] is not pos:
+            ang = pos.double()[:, None] * self.inv_freq[None]
+            self._rot = (pos, ang.cos().float().contiguous(), ang.sin().float().contiguous())
+        return self._rot[1], self._rot[2]
+
+    def _rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:   # x [T, heads, D]
+        cos, sin = self._cos_sin(pos)
+        if x.dtype == torch.float32 and x.device.type == "cpu" and native.available():
+            return native.rope(x.contiguous(), cos, sin, False)
+        c, s = cos[:, None], sin[:, None]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+
+    def attention(self, layer: int, x: torch.Tensor, pos: torch.Tensor, kv) -> torch.Tensor:
+        cfg, T, p = self.cfg, x.shape[0], f"blk.{layer}."
+        H, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q = self.proj(p + "attn_q.weight", x).float().view(T, H, D)
+        k = self.proj(p + "attn_k.weight", x).float().view(T, G, D)
+        v = self.proj(p + "attn_v.weight", x).float().view(T, G, D)
+        if self.rope_on[layer]:
+            q, k = self._rotate(q, pos), self._rotate(k, pos)
+            if self.l2_qk:
+                q, k = _unit_rms(q, cfg.norm_eps), _unit_rms(k, cfg.norm_eps)
+        elif self.temp:
+            t = torch.log1p(torch.floor((pos.float() + 1.0) / self.temp["floor_scale"]))
+            q = q * (t * self.temp["attn_scale"] + 1.0)[:, None, None]
+        keys, vals = kv.append(layer, k, v)                                           # [G, S, D]
+        out = self._attend_chunked(q, keys, vals, int(pos[0]), self.chunk[layer])     # [T, H*D]
+        return self.proj(p + "attn_output.weight", out)
+
+    def _attend_chunked(self, q, keys, vals, pos0: int, chunk: int | None) -> torch.Tensor:
+        """Causal attention; with a chunk, each run of queries inside one chunk attends to the
+        keys from that chunk's start up to itself (exact: nothing of earlier chunks is seen)."""
+        if chunk is None:
+            return attend(q, keys, vals, self.scale)
+        T, outs, a = q.shape[0], [], pos0
+        while a < pos0 + T:
+            start = a // chunk * chunk
+            b = min(start + chunk, pos0 + T)
+            outs.append(attend(q[a - pos0:b - pos0], keys[:, start:b], vals[:, start:b], self.scale))
+            a = b
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    # ---- feed-forward ----------------------------------------------------------------------
+    def _swiglu(self, x: torch.Tensor, p: str, suffix: str) -> torch.Tensor:
+        g = linear(x, self.w.packed(f"{p}ffn_gate{suffix}.weight")).float()
+        u = linear(x, self.w.packed(f"{p}ffn_up{suffix}.weight")).float()
+        return linear(F.silu(g) * u, self.w.packed(f"{p}ffn_down{suffix}.weight")).float()
+
+    def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k of the raw router logits; the weight is sigmoid(logit). idx, w [T, k]."""
+        if layer not in self.moe:              # dense layer: no router (lookahead may still ask)
+            return torch.zeros(h.shape[0], 0, dtype=torch.long, device=h.device), torch.zeros(h.shape[0], 0)
+        logits = h.float() @ self.w.dense(f"blk.{layer}.ffn_gate_inp.weight").T      # [T, E]
+        top, idx = torch.topk(logits, self.cfg.top_k, dim=-1)                          # [T, k]
+        return idx, torch.sigmoid(top)
+
+    def ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        p = f"blk.{layer}."
+        if layer not in self.moe:
+            return self._swiglu(x, p, "")
+        idx, wts = self.route(layer, x)
+        y = self._swiglu(x, p, "_shexp")                                               # [T, C]
+        ones = torch.ones(x.shape[0], 1, device=x.device)
+        for j in range(idx.shape[1]):          # the weight scales each chosen expert's input
+            y = y + self.experts(layer, x * wts[:, j:j + 1], idx[:, j:j + 1], ones)
+        return y
