@@ -195,3 +195,27 @@ def test_readers_agree_and_follow_llama_cpp(made):
     m = from_hf_config({"model_type": "llama4", "text_config": raw})
     for k in ("moe_layers", "rope_layers", "chunk", "temperature", "rope_scaling"):
         assert m.extra[k] == a.extra[k], k
+
+
+def test_multimodal_checkpoint_packs_its_text_model(made, tmp_path):
+    """The released checkpoints are Llama4ForConditionalGeneration: config.json nests the text
+    config, tensors live under language_model.model. / language_model.lm_head beside vision_model.*.
+    The text model packs from such a directory and gives the same logits."""
+    import json
+    import shutil
+    from safetensors.torch import load_file, save_file
+    _, pack_dir, hf = made["hf"]
+    mm = tmp_path / "mm"
+    shutil.copytree(hf, mm)
+    text = load_file(str(mm / "model.safetensors"))
+    renamed = {("language_model." + k if k.startswith(("model.", "lm_head.")) else k): v for k, v in text.items()}
+    renamed["vision_model.model.layers.0.mlp.fc1.weight"] = torch.zeros(4, 4)
+    save_file(renamed, str(mm / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((mm / "config.json").read_text())
+    (mm / "config.json").write_text(json.dumps({"model_type": "llama4", "architectures": ["Llama4ForConditionalGeneration"],
+                                                "text_config": cfg, "tie_word_embeddings": False}))
+    pack(mm, tmp_path / "pack", progress=False)
+    a, b = runtime(pack_dir), runtime(tmp_path / "pack")
+    assert torch.equal(a.forward(TOKENS, all_logits=True), b.forward(TOKENS, all_logits=True))
+    a.close()
+    b.close()

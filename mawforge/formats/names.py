@@ -174,8 +174,10 @@ def hf_common(name: str, arch: str | None = None) -> str | None:
 
 def _strip_model(name: str) -> str:
     name = name[len("model."):] if name.startswith("model.") else name
-    # multimodal checkpoints (Qwen3.5, Gemma 4) keep the text model under language_model.
-    return name[len("language_model."):] if name.startswith("language_model.") else name
+    # multimodal checkpoints keep the text model under language_model. (Qwen3.5, Gemma 4:
+    # model.language_model.layers...; Llama 4: language_model.model.layers..., language_model.lm_head)
+    name = name[len("language_model."):] if name.startswith("language_model.") else name
+    return name[len("model."):] if name.startswith("model.") else name
 
 
 def hf_mtp(name: str, n_layers: int) -> str:
