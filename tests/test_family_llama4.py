@@ -189,12 +189,16 @@ def test_readers_agree_and_follow_llama_cpp(made):
     assert c.extra["chunk"] == [8192, 8192, 8192, None] * 2
     with pytest.raises(UnsupportedError, match="sliding_window 0"):
         from_gguf_metadata(meta | {"llama4.attention.sliding_window": 0}, 100)
-    # a multimodal config.json nests the text model; lists absent are derived as transformers does
+    # as the released config.json: the text model nested, derived lists absent (no_rope_layers
+    # empty), RoPE under the older rope_scaling / rope_theta keys, attn_temperature_tuning an int
     raw = {k: v for k, v in fx.make_config().to_dict().items()
-           if k not in ("moe_layers", "no_rope_layers", "layer_types")}
+           if k not in ("moe_layers", "layer_types", "rope_parameters")}
+    raw |= {"no_rope_layers": [], "attn_temperature_tuning": 4, "rope_theta": fx.ROPE["rope_theta"],
+            "rope_scaling": {k: v for k, v in fx.ROPE.items() if k != "rope_theta"}}
     m = from_hf_config({"model_type": "llama4", "text_config": raw})
     for k in ("moe_layers", "rope_layers", "chunk", "temperature", "rope_scaling"):
         assert m.extra[k] == a.extra[k], k
+    assert m.rope_base == a.rope_base and a.extra["rope_scaling"]["factor"] == 8.0
 
 
 def test_multimodal_checkpoint_packs_its_text_model(made, tmp_path):
