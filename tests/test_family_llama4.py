@@ -131,12 +131,14 @@ def test_routing_scales_expert_input(made):
     rt.close()
 
 
-@pytest.mark.parametrize("source", ["hf", "Q8_0"])
-def test_cache_transparent_at_minimum(made, source):
+@pytest.mark.parametrize("source,lookahead", [("hf", False), ("Q8_0", False), ("Q8_0", True)])
+def test_cache_transparent_at_minimum(made, source, lookahead):
+    """Greedy tokens at the smallest cache equal those at 100%; with next-layer lookahead the
+    router of a dense layer is asked too (it answers no experts)."""
     _, pack_dir, _ = made[source]
     facts = PackFacts.from_pack(pack_dir)
     full = runtime(pack_dir)
-    tiny = runtime(pack_dir, expert_cache_gib=facts.min_cache_bytes / GiB)
+    tiny = runtime(pack_dir, expert_cache_gib=facts.min_cache_bytes / GiB, lookahead=lookahead)
     assert tiny.cache.capacity == facts.min_cache_bytes < facts.expert_bytes
     prompt = TOKENS[:9]
     want = greedy(full, prompt, 10)
