@@ -178,7 +178,7 @@ def test_readers_agree_and_follow_llama_cpp(made):
     interval and temperature, and drops the qk norm at 128 experts as llama.cpp does."""
     hf_src, _, hf = made["hf"]
     a, b = open_source(hf_src).config, open_source(made["F32"][0]).config
-    for k in ("moe_layers", "dense_layers", "dense_ff", "rope_layers", "chunk", "qk_norm", "temperature"):
+    for k in ("moe_layers", "dense_layers", "dense_ff", "rope_layers", "chunk", "l2_qk_norm", "temperature"):
         assert a.extra[k] == b.extra[k], k
     assert (a.expert_ff, a.shared_ff, a.top_k, a.n_experts) == (b.expert_ff, b.shared_ff, b.top_k, b.n_experts)
     assert b.extra["chunk"] == [8192, 8192, 8192, None] and b.extra["rope_layers"] == [True, True, True, False]
@@ -187,7 +187,7 @@ def test_readers_agree_and_follow_llama_cpp(made):
             "llama4.expert_used_count": 1, "llama4.feed_forward_length": 96, "llama4.expert_feed_forward_length": 32,
             "llama4.interleave_moe_layer_step": 2}
     c = from_gguf_metadata(meta, 100)
-    assert c.extra["qk_norm"] is False and c.extra["moe_layers"] == [1, 3, 5, 7]
+    assert c.extra["l2_qk_norm"] is False and c.extra["moe_layers"] == [1, 3, 5, 7]
     assert c.extra["chunk"] == [8192, 8192, 8192, None] * 2
     with pytest.raises(UnsupportedError, match="sliding_window 0"):
         from_gguf_metadata(meta | {"llama4.attention.sliding_window": 0}, 100)
