@@ -87,6 +87,11 @@ CASES: tuple[ArchCase, ...] = (
              transparent=("Q8_0",), mtp=("mtp:hf", "mtp:F32", "mtp:Q8_0"), mtp_greedy=("mtp:hf",), recurrent=True),
     ArchCase("gemma4", "q35_gemma4", ggufs=("F32", "Q8_0"), llama=(Llama("F32"), Llama("Q8_0", 0.95)),
              transparent=("Q8_0",)),
+    # Llama 4 MoE (interleaved dense/MoE layers, shared expert, sigmoid top-1 on the expert input,
+    # chunked attention + NoPE layers; llama.cpp's fixed chunk 8192). Measured top-1 vs llama.cpp
+    # on these 40 positions: F32 40/40, Q8_0 40/40. Short-chunk variant: test_family_llama4.py.
+    ArchCase("llama4_text", "llama4", ggufs=("F32", "Q8_0"), llama=(Llama("F32"), Llama("Q8_0", 0.95)),
+             transparent=("hf", "Q8_0"), plan_source="hf", dense_layers=(0, 2)),
 )
 
 BY_ARCH = {c.arch: c for c in CASES}
