@@ -282,4 +282,4 @@ def model() -> type:
 
 ARCH = Arch("llama4", ("llama4", "llama4_text"), model, order=8, args=Args, read_hf=read_hf, read_gguf=read_gguf,
             hf_names=HF_NAMES, hf_expert_kinds=HF_EXPERT_KINDS, dense=DENSE, required=required,
-            defaults=dict(qk_norm="none", norm_topk_prob=False, rope_layout="norm"))
+            defaults={"qk_norm": "none", "norm_topk_prob": False, "rope_layout": "norm"})

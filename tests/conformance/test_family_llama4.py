@@ -17,7 +17,7 @@ from .cases import BY_ARCH, TOKENS
 from .runtime_helpers import greedy, logits, open_rt
 
 L4 = BY_ARCH["llama4_text"]
-SHORT = dict(chunk=5, floor_scale=3)
+SHORT = {"chunk": 5, "floor_scale": 3}
 
 
 @pytest.fixture(scope="module")
