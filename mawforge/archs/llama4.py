@@ -261,7 +261,8 @@ def model() -> type:
         def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             """Top-k of the raw router logits; the weight is sigmoid(logit). idx, w [T, k]."""
             if layer not in self.moe:              # dense layer: no router (lookahead may still ask)
-                return torch.zeros(h.shape[0], 0, dtype=torch.long, device=h.device), torch.zeros(h.shape[0], 0)
+                none = torch.zeros(h.shape[0], 0, device=h.device)
+                return none.long(), none
             logits = h.float() @ self.w.dense(f"blk.{layer}.ffn_gate_inp.weight").T      # [T, E]
             top, idx = torch.topk(logits, self.cfg.top_k, dim=-1)                          # [T, k]
             return idx, torch.sigmoid(top)
