@@ -132,15 +132,18 @@ def read_gguf(m: dict[str, Any]) -> dict:
     pattern = m.get(a + "attention.sliding_window_pattern", LLAMA_CPP_NOPE_EVERY)
     chunked = ([bool(x) for x in pattern] if isinstance(pattern, list) else
                [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1 for i in range(n)])
-    ff = m[a + "feed_forward_length"]
-    efff = m[a + "expert_feed_forward_length"]
+
+    def at(key: str, layers: list[int]) -> int:     # a key llama.cpp reads per layer or once
+        v = m[a + key]
+        return int(v[layers[0]] if layers else 0) if isinstance(v, list) else int(v)
+
     moe = [i for i in range(n) if step > 0 and (i + 1) % step == 0]
     dense = [i for i in range(n) if i not in moe]
     n_experts = int(m[a + "expert_count"])
     return _llama4(n, moe, [(i + 1) % LLAMA_CPP_NOPE_EVERY != 0 for i in range(n)], chunked, LLAMA_CPP_CHUNK,
-                   dense_ff=int(ff[dense[0]] if isinstance(ff, list) and dense else (ff if not isinstance(ff, list) else 0)),
-                   expert_ff=int(efff[moe[0]] if isinstance(efff, list) else efff), qk_norm=n_experts != 128,
-                   temperature=dict(LLAMA_CPP_TEMPERATURE), rope_scaling=None, input_major=False)
+                   dense_ff=at("feed_forward_length", dense), expert_ff=at("expert_feed_forward_length", moe),
+                   qk_norm=n_experts != 128, temperature=dict(LLAMA_CPP_TEMPERATURE), rope_scaling=None,
+                   input_major=False)
 
 
 HF_NAMES = (   # the dense MLP and the shared expert live under feed_forward., the router too
