@@ -35,7 +35,7 @@ def _hf_logits(hf) -> torch.Tensor:
 
 
 def test_short_chunk_logits_match_transformers(short):
-    """Measured max |diff| 1.5e-6 (chunk 5: 8 chunks in 40 positions; temperature from position 2)."""
+    """Measured max |diff| 1.7e-6 (chunk 5: 8 chunks in 40 positions; temperature from position 2)."""
     hf, pack_dir = short
     torch.testing.assert_close(logits(pack_dir, TOKENS), _hf_logits(hf), rtol=0, atol=F32_MODEL_ATOL)
 
