@@ -167,7 +167,7 @@ def model() -> type:
     import torch
     import torch.nn.functional as F
 
-    from mawforge.formats import quants
+    from mawforge.codecs import quants
     from mawforge.kernels import linear, native
     from mawforge.models.base import MoETransformer, attend
 
@@ -226,11 +226,11 @@ def model() -> type:
             return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
 
         def attention(self, layer: int, x: torch.Tensor, pos: torch.Tensor, kv) -> torch.Tensor:
-            cfg, T, p = self.cfg, x.shape[0], f"blk.{layer}."
+            cfg, T, w = self.cfg, x.shape[0], self.layers[layer]       # weights bound at load
             H, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-            q = self.proj(p + "attn_q.weight", x).float().view(T, H, D)
-            k = self.proj(p + "attn_k.weight", x).float().view(T, G, D)
-            v = self.proj(p + "attn_v.weight", x).float().view(T, G, D)
+            q = linear(x, w["attn_q.weight"]).float().view(T, H, D)
+            k = linear(x, w["attn_k.weight"]).float().view(T, G, D)
+            v = linear(x, w["attn_v.weight"]).float().view(T, G, D)
             if self.rope_on[layer]:
                 q, k = self._rotate(q, pos), self._rotate(k, pos)
                 if self.l2_qk:
@@ -240,7 +240,7 @@ def model() -> type:
                 q = q * (t * self.temp["attn_scale"] + 1.0)[:, None, None]
             keys, vals = kv.append(layer, k, v)                                           # [G, S, D]
             out = self._attend_chunked(q, keys, vals, int(pos[0]), self.chunk[layer])     # [T, H*D]
-            return self.proj(p + "attn_output.weight", out)
+            return linear(out, w["attn_output.weight"]).float()
 
         def _attend_chunked(self, q, keys, vals, pos0: int, chunk: int | None) -> torch.Tensor:
             """Causal attention; with a chunk, each run of queries inside one chunk attends to the
@@ -256,26 +256,27 @@ def model() -> type:
             return torch.cat(outs) if len(outs) > 1 else outs[0]
 
         # ---- feed-forward ------------------------------------------------------------------
-        def _swiglu(self, x: torch.Tensor, p: str, suffix: str) -> torch.Tensor:
-            g = linear(x, self.w.packed(f"{p}ffn_gate{suffix}.weight")).float()
-            u = linear(x, self.w.packed(f"{p}ffn_up{suffix}.weight")).float()
-            return linear(F.silu(g) * u, self.w.packed(f"{p}ffn_down{suffix}.weight")).float()
+        def _swiglu(self, x: torch.Tensor, layer: int, suffix: str) -> torch.Tensor:
+            """The dense MLP (suffix "") or the shared expert ("_shexp")."""
+            w = self.layers[layer]
+            g = linear(x, w[f"ffn_gate{suffix}.weight"]).float()
+            u = linear(x, w[f"ffn_up{suffix}.weight"]).float()
+            return linear(F.silu(g) * u, w[f"ffn_down{suffix}.weight"]).float()
 
         def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             """Top-k of the raw router logits; the weight is sigmoid(logit). idx, w [T, k]."""
             if layer not in self.moe:              # dense layer: no router (lookahead may still ask)
                 none = torch.zeros(h.shape[0], 0, device=h.device)
                 return none.long(), none
-            logits = h.float() @ self.w.dense(f"blk.{layer}.ffn_gate_inp.weight").T      # [T, E]
+            logits = h.float() @ self.layers[layer]["ffn_gate_inp.weight"].T            # [T, E]
             top, idx = torch.topk(logits, self.cfg.top_k, dim=-1)                          # [T, k]
             return idx, torch.sigmoid(top)
 
         def ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-            p = f"blk.{layer}."
             if layer not in self.moe:
-                return self._swiglu(x, p, "")
+                return self._swiglu(x, layer, "")
             idx, wts = self.route(layer, x)
-            y = self._swiglu(x, p, "_shexp")                                               # [T, C]
+            y = self._swiglu(x, layer, "_shexp")                                               # [T, C]
             ones = torch.ones(x.shape[0], 1, device=x.device)
             for j in range(idx.shape[1]):          # the weight scales each chosen expert's input
                 y = y + self.experts(layer, x * wts[:, j:j + 1], idx[:, j:j + 1], ones)

@@ -77,7 +77,7 @@ def test_routing_weight_scales_the_expert_input(sources):
             if layer not in model.moe:
                 return ffn(layer, x)
             idx, w = model.route(layer, x)
-            return model._swiglu(x, f"blk.{layer}.", "_shexp") + model.experts(layer, x, idx, w)
+            return model._swiglu(x, layer, "_shexp") + model.experts(layer, x, idx, w)
 
         model.ffn = output_weighted
         rt.reset()
