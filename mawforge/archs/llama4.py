@@ -110,8 +110,9 @@ def read_hf(c: dict[str, Any]) -> dict:
                                      for r in rope]
     temp = ({"floor_scale": int(c.get("floor_scale", 8192)), "attn_scale": float(c.get("attn_scale", 0.1))}
             if c.get("attn_temperature_tuning", True) else None)
-    if c.get("attention_bias"):
-        raise UnsupportedError("llama4 with attention biases is not supported (the released models have none)")
+    if c.get("attention_bias") or c.get("hidden_act", "silu") != "silu":
+        raise UnsupportedError("llama4 with attention biases or a non-SiLU activation is not supported "
+                               "(the released models have neither)")
     return _llama4(n, moe, rope, [t == "chunked_attention" for t in types], None if chunk is None else int(chunk),
                    dense_ff=int(c.get("intermediate_size_mlp") or c["intermediate_size"]),
                    expert_ff=int(c["intermediate_size"]), qk_norm=bool(c.get("use_qk_norm", True)),
