@@ -1,7 +1,8 @@
 """The byte rules the planner and the runtime share, in one torch-free place: what a block
-costs once it is in a slot (page rounding), and which common tensors are kept dense (float32
-vectors and small per-head matrices that are not matmul weights). plan.py predicts with these,
-the runtime allocates with them, so planned and allocated bytes cannot drift apart.
+costs once it is in a slot (page rounding), which common tensors are kept dense (float32
+vectors and small per-head matrices that are not matmul weights), and which tensors each layer
+keeps between steps (KV, latent or recurrent state). plan.py predicts with these, the runtime
+allocates with them, so planned and allocated bytes cannot drift apart.
 """
 from __future__ import annotations
 
@@ -16,6 +17,33 @@ DENSE_SUFFIXES = _COMMON_DENSE + tuple(s for a in ARCHS.values() for s in a.dens
 
 def round_page(n: int) -> int:
     return -(-n // PAGE) * PAGE
+
+
+def layer_state(spec: dict, context: int) -> list[tuple[tuple[int, ...], bool]]:
+    """The tensors one layer keeps between steps, from its kv_layers entry: (shape, grows) per
+    tensor; grows: in the KV cache's dtype and sized by the context, else fixed float32 state.
+    kv: k and v [G, ctx, D]; latent (MLA): [ctx, dim]; recurrent: its state shapes; none: nothing."""
+    kind = spec["kind"]
+    if kind == "kv":
+        return [((spec["kv_heads"], context, spec["head_dim"]), True)] * 2
+    if kind == "latent":
+        return [((context, spec["dim"]), True)]
+    if kind == "none":
+        return []
+    return [(tuple(s), False) for s in spec["state"]]
+
+
+def state_bytes(layout, context: int, kv_itemsize: int, grows: bool) -> int:
+    """Bytes of the growing (grows=True) or the fixed float32 tensors of every layer in `layout`."""
+    total = 0
+    for spec in layout:
+        for shape, g in layer_state(spec, context):
+            if g == grows:
+                n = kv_itemsize if g else 4
+                for d in shape:
+                    n *= d
+                total += n
+    return total
 
 
 def is_dense(name: str) -> bool:

@@ -22,7 +22,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mawforge.byte_rules import is_dense, round_page
+from mawforge.byte_rules import is_dense, round_page, state_bytes
 from mawforge.errors import BudgetRejected, FormatError
 from mawforge.pack.manifest import read_index, read_manifest
 
@@ -53,7 +53,7 @@ class PackFacts:
     slot_bytes: tuple[int, ...]        # per layer, page-rounded block size
     all_dense_f32: bool
     pack_digest: str
-    kv_layers: tuple = ()              # config.extra["kv_layers"]: per-layer KV or fixed recurrent state
+    kv_layers: tuple = ()              # config.args.kv_layers: per-layer KV or fixed recurrent state
 
     @property
     def expert_bytes(self) -> int:
@@ -81,7 +81,7 @@ class PackFacts:
                    c.head_dim, c.vocab, c.expert_ff, int(man.byte_totals["common_file"]),
                    emb.nbytes if emb else 0, dense,
                    tuple(round_page(lb.block_nbytes) for lb in index.layers), all_f32, man.pack_digest,
-                   tuple(c.extra.get("kv_layers") or ()))
+                   tuple(c.args.kv_layers))
 
 
 def kv_dtype_for(f: PackFacts, kv_dtype: str | None) -> str:
@@ -92,20 +92,11 @@ def kv_bytes(f: PackFacts, context: int, kv_dtype: str) -> int:
     """KV of attention layers at this context plus the fixed float32 state of recurrent layers."""
     if not f.kv_layers:
         return 2 * f.n_layers * f.n_kv_heads * f.head_dim * context * DTYPE_BYTES[kv_dtype]
-    return fixed_state_bytes(f) + context * DTYPE_BYTES[kv_dtype] * sum(
-        2 * s["kv_heads"] * s["head_dim"] if s["kind"] == "kv" else s["dim"] if s["kind"] == "latent" else 0
-        for s in f.kv_layers)
+    return fixed_state_bytes(f) + state_bytes(f.kv_layers, context, DTYPE_BYTES[kv_dtype], grows=True)
 
 
 def fixed_state_bytes(f: PackFacts) -> int:
-    total = 0
-    for s in f.kv_layers:
-        for shape in (s.get("state") or ()) if s["kind"] == "recurrent" else ():
-            n = 4
-            for d in shape:
-                n *= d
-            total += n
-    return total
+    return state_bytes(f.kv_layers, 0, 4, grows=False)
 
 
 def framework_in_process() -> int:

@@ -27,12 +27,10 @@ from mawforge.errors import FormatError
 
 @dataclass(frozen=True)
 class Args(ArchArgs):
-    dense_layers: tuple = ()        # layers with a dense MLP (blk.N.ffn_gate/up/down), no routed experts
     dense_ff: int = 0
     mla: dict | None = None         # q_lora_rank (0: plain attn_q), kv_lora_rank, qk_nope, qk_rope, v_head_dim
     router: dict | None = None      # gating (sigmoid|softmax), groups, groups_used, group_score (top2sum|max), scale
     rope_scaling: dict | None = None    # YaRN: factor, original_context, beta_fast, beta_slow, attn_factor, ...
-    mtp_layers: int = 0             # V3 MTP (nextn) layers after the model's; drafting needs their tensors
 
 
 # ---- readers (torch-free): config.json / GGUF metadata -> ModelConfig field overrides ----

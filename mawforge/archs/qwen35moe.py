@@ -24,7 +24,6 @@ class Args(ArchArgs):
     rope_dim: int = 0            # RoPE rotates the first rope_dim dims of a head
     linear: dict | None = None   # delta-net heads and dims: k_heads, v_heads, k_dim, v_dim, conv, v_order
     norm_offset: float = 0.0     # 1.0: HF zero-centred norms (x * (1 + w)); 0.0: GGUF stores 1 + w
-    mtp_layers: int = 0
 
 
 # ---- readers (torch-free): config.json / GGUF metadata -> ModelConfig field overrides ----

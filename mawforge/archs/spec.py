@@ -22,10 +22,13 @@ from mawforge.errors import FormatError
 class ArchArgs:
     """Typed family settings. A subclass lists its fields; `from_extra` reads them from a
     ModelConfig's `extra` (the manifest's JSON). Shared: `kv_layers` (what each layer keeps
-    between steps, read by the planner and models/kv.py) and `layer_types` (per layer, e.g.
-    "full", "sliding", "linear"; empty when every layer is alike)."""
+    between steps, read by the planner and models/kv.py), `layer_types` (per layer, e.g.
+    "full", "sliding", "linear"; empty when every layer is alike), `dense_layers` (layers with a
+    dense MLP and no routed experts) and `mtp_layers` (MTP / nextn blocks after the last layer)."""
     kv_layers: tuple = ()
     layer_types: tuple = ()
+    dense_layers: tuple = ()
+    mtp_layers: int = 0
 
     def full_layers(self) -> list[bool]:
         """Per layer: does it run full (global) attention?"""

@@ -122,7 +122,7 @@ class Source:
 
     def validate(self) -> None:
         cfg = self.config
-        dense = set(cfg.extra.get("dense_layers", ()))
+        dense = set(cfg.args.dense_layers)
         for layer in range(cfg.n_layers):
             kinds = self.expert_kinds(layer)
             if layer in dense:

@@ -5,7 +5,7 @@ over the mixed q|k|v projection, then the gated delta rule run token by token ov
 Legend: T tokens in the chunk, C hidden, Ch conv channels (2*Hk*Dk + Hv*Dv), K conv kernel,
 Hk key heads, Hv value heads, Dk key head dim, Dv value head dim.
 
-Checkpoint layouts differ in three ways, all read from config.extra["linear"] or the names:
+Checkpoint layouts differ in three ways, all read from config.args.linear or the names:
 HF keeps A_log (llama.cpp stores ssm_a = -exp(A_log)); HF orders value heads grouped by key
 head (v head j reads k head j // (Hv/Hk)), llama.cpp tiles them (k head j % Hk); the conv
 kernel is [Ch, 1, K] in HF and [Ch, K] in GGUF (same bytes).

@@ -1,7 +1,7 @@
 """Per-layer state preallocated for the whole context at load, so its bytes are known up front.
 
 Attention layers keep a KV cache that grows with the context; recurrent layers (gated delta-net)
-keep fixed-size float32 state tensors. The layout comes from `config.extra["kv_layers"]`
+keep fixed-size float32 state tensors. The layout comes from `config.args.kv_layers`
 (see formats/config.py); without it every layer is an attention layer of the config's shape.
 
 Rolling back is free for attention (positions past n are simply overwritten later). Recurrent
@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from mawforge.byte_rules import layer_state
 from mawforge.errors import RequestError, UnsupportedError
 
 
@@ -27,7 +28,7 @@ Replay = Callable[[list[torch.Tensor], int], None]
 def layer_layout(cfg) -> list[dict]:
     """Per layer: {"kind": "kv", "kv_heads", "head_dim"}, {"kind": "latent", "dim"},
     {"kind": "recurrent", "state": [shapes]} or {"kind": "none"} (a layer this cache does not hold)."""
-    return list(cfg.extra.get("kv_layers") or
+    return list(cfg.args.kv_layers or
                 [{"kind": "kv", "kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim}] * cfg.n_layers)
 
 
@@ -40,24 +41,13 @@ class KVCache:
         self.k: list[torch.Tensor | None] = []
         self.v: list[torch.Tensor | None] = []
         self.state: list[list[torch.Tensor] | None] = []
-        for spec in layout:
-            if spec["kind"] == "kv":
-                k = torch.zeros(spec["kv_heads"], context, spec["head_dim"], dtype=dtype, device=device)
-                self.k.append(k)
-                self.v.append(torch.zeros_like(k))
-                self.state.append(None)
-            elif spec["kind"] == "latent":      # MLA: one compressed row per position, no separate v
-                self.k.append(torch.zeros(context, spec["dim"], dtype=dtype, device=device))
-                self.v.append(None)
-                self.state.append(None)
-            elif spec["kind"] == "none":        # e.g. the MTP block's cache holds only its own layer
-                self.k.append(None)
-                self.v.append(None)
-                self.state.append(None)
-            else:
-                self.k.append(None)
-                self.v.append(None)
-                self.state.append([torch.zeros(*s, dtype=torch.float32, device=device) for s in spec["state"]])
+        for spec in layout:                 # the shapes plan.py counts (byte_rules.layer_state)
+            grow = [torch.zeros(*shape, dtype=dtype, device=device) for shape, g in layer_state(spec, context) if g]
+            fixed = [torch.zeros(*shape, dtype=torch.float32, device=device)
+                     for shape, g in layer_state(spec, context) if not g]
+            self.k.append(grow[0] if grow else None)           # MLA: one compressed row per position, no v
+            self.v.append(grow[1] if len(grow) > 1 else None)
+            self.state.append(fixed if spec["kind"] == "recurrent" else None)
         self.pos = 0            # committed positions
         self.trail: dict[int, list[tuple[int, Replay]]] | None = None   # layer -> chunks since mark()
         self.trail_start = 0

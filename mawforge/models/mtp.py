@@ -102,7 +102,7 @@ class MtpMixin:
     @property
     def has_mtp(self) -> bool:
         L = self.cfg.n_layers
-        return int(self.cfg.extra.get("mtp_layers", 0) or 0) > 0 and self.w.has(f"blk.{L}.nextn.eh_proj.weight")
+        return self.cfg.args.mtp_layers > 0 and self.w.has(f"blk.{L}.nextn.eh_proj.weight")
 
     def enable_mtp(self, context: int, dtype: torch.dtype = torch.float32) -> MtpState:
         self.mtp = MtpState(self.mtp_cache(context, dtype))
