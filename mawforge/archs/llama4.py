@@ -49,8 +49,7 @@ from mawforge.errors import FormatError, UnsupportedError
 
 @dataclass(frozen=True)
 class Args(ArchArgs):
-    moe_layers: tuple = ()
-    dense_layers: tuple = ()
+    moe_layers: tuple = ()          # the others are ArchArgs.dense_layers
     dense_ff: int = 0
     rope_layers: tuple = ()         # True: RoPE (+ L2 qk norm); False: NoPE
     chunk: tuple = ()               # attention chunk per layer, None = full causal

@@ -1,6 +1,6 @@
-"""What only Llama 4 has; its shared checks run from cases.CASES (row llama4_text). Here: a
-short-chunk variant (chunk 5, temperature floor 3) whose chunked attention and NoPE temperature
-act within a short prompt, exactness across chunk boundaries, the sigmoid weight on the expert
+"""What only Llama 4 has; its shared checks run from cases.CASES (row llama4_text, whose
+hf_short_chunk source has chunk 5 and temperature floor 3). Here: exactness across chunk
+boundaries, that the chunk mask and the NoPE temperature matter, the sigmoid weight on the expert
 INPUT, HF's input-major experts, multimodal checkpoints, and the readers against llama.cpp's rules."""
 from __future__ import annotations
 
@@ -17,35 +17,14 @@ from .cases import BY_ARCH, TOKENS
 from .runtime_helpers import greedy, logits, open_rt
 
 L4 = BY_ARCH["llama4_text"]
-SHORT = {"chunk": 5, "floor_scale": 3}
 
 
-@pytest.fixture(scope="module")
-def short(tmp_path_factory):
-    """(HF directory, pack) of the short-chunk variant; same weights as the row's "hf"."""
-    root = tmp_path_factory.mktemp("llama4_short")
-    hf = api.llama4.build_hf(L4.arch, root / "hf", **SHORT)
-    api.pack(hf, root / "pack", progress=False)
-    return hf, root / "pack"
-
-
-def _hf_logits(hf) -> torch.Tensor:
-    with torch.no_grad():
-        return api.tiny.load_hf(hf)(torch.tensor([list(TOKENS)])).logits[0].float()
-
-
-def test_short_chunk_logits_match_transformers(short):
-    """Measured max |diff| 1.7e-6 (chunk 5: 8 chunks in 40 positions; temperature from position 2)."""
-    hf, pack_dir = short
-    torch.testing.assert_close(logits(pack_dir, TOKENS), _hf_logits(hf), rtol=0, atol=F32_MODEL_ATOL)
-
-
-def test_chunked_attention_exact_across_chunk_boundaries(short):
+def test_chunked_attention_exact_across_chunk_boundaries(sources):
     """One token at a time and uneven prefill pieces cross chunk boundaries at other offsets than
     one batch; all equal the batch. Turning off the chunk mask or the NoPE temperature moves the
-    logits by far more than the transformers bound, so the match above depends on both."""
-    _, pack_dir = short
-    rt = open_rt(pack_dir, "100")
+    logits by far more than the transformers bound, so the shared hf_short_chunk logits check
+    depends on both."""
+    rt = open_rt(sources.pack(L4, "hf_short_chunk"), "100")
     try:
         batch = rt.forward(list(TOKENS), all_logits=True)
         for pieces in ([7] + [1] * 33, [3, 4, 9, 8, 16], [5] * 8):
