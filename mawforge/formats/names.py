@@ -33,8 +33,8 @@ _HF_COMMON = [
 
 # HF routed experts: (pattern, kind, fused). Fused = one 3-D parameter for all experts.
 _HF_EXPERTS = [
-    (r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.gate_up_proj", "gate_up", True),
-    (r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.down_proj", "down", True),
+    (r"layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.experts\.gate_up_proj", "gate_up", True),   # llama4: feed_forward
+    (r"layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.experts\.down_proj", "down", True),
     (r"layers\.(\d+)\.experts\.gate_up_proj", "gate_up", True),    # gemma4: experts beside the MLP
     (r"layers\.(\d+)\.experts\.down_proj", "down", True),
     (r"layers\.(\d+)\.mlp\.experts\.gate_up_proj_bias", "gate_up_bias", True),   # gpt-oss [E, 2F]
@@ -108,8 +108,10 @@ def hf_common(name: str, arch: str | None = None) -> str | None:
 
 def _strip_model(name: str) -> str:
     name = name[len("model."):] if name.startswith("model.") else name
-    # multimodal checkpoints (Qwen3.5, Gemma 4) keep the text model under language_model.
-    return name[len("language_model."):] if name.startswith("language_model.") else name
+    # multimodal checkpoints keep the text model under language_model. (Qwen3.5, Gemma 4:
+    # model.language_model.layers...; Llama 4: language_model.model.layers..., language_model.lm_head)
+    name = name[len("language_model."):] if name.startswith("language_model.") else name
+    return name[len("model."):] if name.startswith("model.") else name
 
 
 def hf_mtp(name: str, n_layers: int) -> str:

@@ -25,6 +25,7 @@ EXPERT_SETS = (
     ("gate", "up", "down"), ("down", "gate_up"),
     ("gate", "up", "down", "gate_bias", "up_bias", "down_bias"),
     ("gate_up_t", "down_t", "down_bias", "gate_up_bias"),
+    ("gate_up_t", "down_t"),      # HF Llama 4
 )
 
 

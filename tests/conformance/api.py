@@ -12,10 +12,11 @@ from mawforge.errors import BudgetRejected, MawError, UnsupportedError
 from mawforge.fixtures import families_ds_oss as ds_oss
 from mawforge.fixtures import families_qwen35_gemma4 as q35_gemma4
 from mawforge.fixtures import family_glm4moe as glm4moe
+from mawforge.fixtures import family_llama4 as llama4
 from mawforge.fixtures import tiny
 from mawforge.fixtures.gguf_writer import write_gguf as tiny_write_gguf
 from mawforge.fixtures.llama_ref import llama_generate_many, llama_logits
-from mawforge.formats.config import from_hf_config
+from mawforge.formats.config import from_gguf_metadata, from_hf_config
 from mawforge.formats.names import hf_common
 from mawforge.formats.source import open_source
 from mawforge.models.kv import KVCache
@@ -26,7 +27,8 @@ from mawforge.plan import GiB, PackFacts, make_plan
 __all__ = ["generate", "Runtime", "RuntimeOptions", "Sampler", "SamplingParams", "SpecOptions", "Speculator",
            "BudgetRejected", "MawError", "UnsupportedError", "llama_generate_many", "llama_logits",
            "from_hf_config", "hf_common", "open_source", "KVCache", "read_index", "read_manifest", "pack",
-           "GiB", "PackFacts", "make_plan", "Builder", "BUILDERS", "ds_oss", "q35_gemma4", "tiny", "glm4moe"]
+           "GiB", "PackFacts", "make_plan", "Builder", "BUILDERS", "ds_oss", "q35_gemma4", "tiny", "glm4moe",
+           "llama4", "from_gguf_metadata"]
 
 
 class Builder(NamedTuple):
@@ -43,4 +45,5 @@ BUILDERS = {
     "ds_oss": Builder(ds_oss.build_hf, ds_oss.write_gguf, tiny.load_hf, ds_oss.add_mtp_layer),
     "q35_gemma4": Builder(q35_gemma4.build_hf, q35_gemma4.write_gguf, q35_gemma4.load_hf, q35_gemma4.add_mtp_block),
     "glm4moe": Builder(glm4moe.build_hf, glm4moe.write_gguf, tiny.load_hf, glm4moe.add_mtp_layer),
+    "llama4": Builder(llama4.build_hf, llama4.write_gguf, tiny.load_hf, None),
 }

@@ -99,6 +99,13 @@ CASES: tuple[ArchCase, ...] = (
              ggufs=("F32", "Q8_0"), llama=(Llama("F32"), Llama("Q8_0", 0.95)),
              transparent=("hf", "Q8_0"), plan_source="hf", dense_layers=(0,),
              mtp=("mtp:hf", "mtp:F32", "mtp:Q8_0"), mtp_greedy=("mtp:hf", "mtp:Q8_0")),
+    # Llama 4 MoE (interleaved dense/MoE layers, shared expert, sigmoid top-1 on the expert input,
+    # chunked attention + NoPE layers; llama.cpp's fixed chunk 8192; hf_short_chunk: chunk 5 and
+    # temperature floor 3, acting within the prompt). Measured max |diff| vs transformers 1.7e-6
+    # (hf, hf_short_chunk), 1.4e-6 (F32); top-1 vs llama.cpp on these 40 positions: F32 40/40, Q8_0 40/40.
+    ArchCase("llama4_text", "llama4", hf=("hf", "hf_short_chunk"), ggufs=("F32", "Q8_0"),
+             logits=("hf", "hf_short_chunk", "F32"), llama=(Llama("F32"), Llama("Q8_0", 0.95)),
+             transparent=("hf", "Q8_0"), plan_source="hf", dense_layers=(0, 2)),
 )
 
 BY_ARCH = {c.arch: c for c in CASES}
