@@ -13,7 +13,8 @@ from typing import Any
 
 from mawforge.errors import FormatError, UnsupportedError
 
-SUPPORTED_ARCHS = ("qwen3moe", "qwen2moe", "mixtral", "olmoe", "qwen35moe", "gemma4", "deepseek2", "gpt-oss")
+SUPPORTED_ARCHS = ("qwen3moe", "qwen2moe", "mixtral", "olmoe", "qwen35moe", "gemma4", "deepseek2", "gpt-oss",
+                   "qwen3next")
 
 HF_MODEL_TYPES = {
     "qwen3_moe": "qwen3moe",
@@ -23,6 +24,7 @@ HF_MODEL_TYPES = {
     "qwen3_5_moe": "qwen35moe", "qwen3_5_moe_text": "qwen35moe",
     "gemma4": "gemma4", "gemma4_text": "gemma4",
     "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "gpt_oss": "gpt-oss",
+    "qwen3_next": "qwen3next",
 }
 
 # Facts that the file formats do not carry, per architecture (from the transformers
@@ -36,6 +38,7 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma4": dict(qk_norm="head", norm_topk_prob=True, rope_layout="neox"),
     "deepseek2": dict(qk_norm="none", rope_layout="norm"),   # interleaved-pair RoPE on the rope part
     "gpt-oss": dict(qk_norm="none", norm_topk_prob=True, rope_layout="neox", qkv_bias=True),
+    "qwen3next": dict(qk_norm="head", norm_topk_prob=True, rope_layout="neox"),
 }
 
 
@@ -354,8 +357,35 @@ def _gemma4_gguf(m: dict) -> dict:
         "n_kv_heads": int(kvs[i_s]), "head_dim": d_s}
 
 
-_FAMILY_HF = {"qwen35moe": _qwen35moe_hf, "gemma4": _gemma4_hf}
-_FAMILY_GGUF = {"qwen35moe": _qwen35moe_gguf, "gemma4": _gemma4_gguf}
+def _qwen3next_hf(c: dict) -> dict:
+    """As Qwen3.5 (zero-centred norms, grouped value heads); every layer must be MoE, as in the
+    released checkpoints and as llama.cpp requires (it has no dense-layer path for this arch)."""
+    step, dense = int(c.get("decoder_sparse_step") or 1), list(c.get("mlp_only_layers") or [])
+    if dense or step != 1:
+        raise UnsupportedError(f"qwen3_next with dense MLP layers (mlp_only_layers {dense}, decoder_sparse_step "
+                               f"{step}) is not supported; the released models are MoE in every layer")
+    return _qwen35moe_hf({**c, "mtp_num_hidden_layers": 0})
+
+
+def _qwen3next_gguf(m: dict) -> dict:
+    """llama.cpp's qwen3next keys; recurrent layers from attention.recurrent_layers when the
+    converter wrote it, else every full_attention_interval-th layer is full attention."""
+    a = "qwen3next."
+    mtp = int(m.get(a + "nextn_predict_layers", 0) or 0)
+    n = int(m[a + "block_count"]) - mtp
+    rec = m.get(a + "attention.recurrent_layers")
+    every = int(m.get(a + "full_attention_interval", 4))
+    full = [not bool(x) for x in rec[:n]] if isinstance(rec, list) else [(i + 1) % every == 0 for i in range(n)]
+    nv, ds = int(m[a + "ssm.time_step_rank"]), int(m[a + "ssm.state_size"])
+    hd = int(m.get(a + "attention.key_length") or m[a + "embedding_length"] // m[a + "attention.head_count"])
+    return _qwen35_extra(n, full, kv_heads=int(m[a + "attention.head_count_kv"]), head_dim=hd,
+                         rope_dim=int(m.get(a + "rope.dimension_count", hd)), nk=int(m[a + "ssm.group_count"]),
+                         nv=nv, dk=ds, dv=int(m[a + "ssm.inner_size"]) // nv, conv=int(m[a + "ssm.conv_kernel"]),
+                         norm_offset=0.0, v_heads="grouped", mtp=mtp)
+
+
+_FAMILY_HF = {"qwen35moe": _qwen35moe_hf, "gemma4": _gemma4_hf, "qwen3next": _qwen3next_hf}
+_FAMILY_GGUF = {"qwen35moe": _qwen35moe_gguf, "gemma4": _gemma4_gguf, "qwen3next": _qwen3next_gguf}
 
 from mawforge.formats import families_ds_oss as _ds_oss  # noqa: E402  (DeepSeek V2/V3, GPT-OSS)
 

@@ -47,6 +47,16 @@ _HF_ARCH = {
         (r"layers\.(\d+)\.pre_fc_norm_hidden\.weight", "blk.{0}.nextn.hnorm.weight"),
         (r"layers\.(\d+)\.mtp_norm\.weight", "blk.{0}.nextn.shared_head_norm.weight"),
     ],
+    "qwen3next": [   # in_proj_qkvz is llama.cpp's legacy ssm_in; in_proj_ba its ssm_ba (same layout)
+        (r"layers\.(\d+)\.post_attention_layernorm\.weight", "blk.{0}.post_attention_norm.weight"),
+        (r"layers\.(\d+)\.linear_attn\.in_proj_qkvz\.weight", "blk.{0}.ssm_in.weight"),
+        (r"layers\.(\d+)\.linear_attn\.in_proj_ba\.weight", "blk.{0}.ssm_ba.weight"),
+        (r"layers\.(\d+)\.linear_attn\.conv1d\.weight", "blk.{0}.ssm_conv1d.weight"),
+        (r"layers\.(\d+)\.linear_attn\.dt_bias", "blk.{0}.ssm_dt.bias"),
+        (r"layers\.(\d+)\.linear_attn\.A_log", "blk.{0}.ssm_a_log"),
+        (r"layers\.(\d+)\.linear_attn\.norm\.weight", "blk.{0}.ssm_norm.weight"),
+        (r"layers\.(\d+)\.linear_attn\.out_proj\.weight", "blk.{0}.ssm_out.weight"),
+    ],
     "gemma4": [
         (r"layers\.(\d+)\.post_attention_layernorm\.weight", "blk.{0}.post_attention_norm.weight"),
         (r"layers\.(\d+)\.pre_feedforward_layernorm\.weight", "blk.{0}.ffn_norm.weight"),

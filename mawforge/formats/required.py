@@ -31,6 +31,12 @@ def _qwen35moe(cfg: ModelConfig, layer: int) -> tuple:
     return ("attn_norm.weight", "post_attention_norm.weight") + ROUTER + attn
 
 
+def _qwen3next(cfg: ModelConfig, layer: int) -> tuple:
+    if cfg.extra.get("layer_types", ["full"] * cfg.n_layers)[layer] == "full":
+        return _qwen35moe(cfg, layer)
+    return ("attn_norm.weight", "post_attention_norm.weight") + ROUTER + ("ssm_ba.weight", "ssm_out.weight")
+
+
 def _gemma4(cfg: ModelConfig, layer: int) -> tuple:
     return ("attn_norm.weight", "post_attention_norm.weight", "attn_q.weight", "attn_k.weight",
             "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
@@ -53,6 +59,7 @@ REQUIRED: dict[str, Callable[[ModelConfig, int], tuple]] = {
     "qwen3moe": _llama_like(qk_norm=True), "olmoe": _llama_like(qk_norm=True),
     "mixtral": _llama_like(), "qwen2moe": _llama_like(shared=True),
     "qwen35moe": _qwen35moe, "gemma4": _gemma4, "deepseek2": _deepseek2, "gpt-oss": _gptoss,
+    "qwen3next": _qwen3next,
 }
 
 

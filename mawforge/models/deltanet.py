@@ -76,15 +76,22 @@ class DeltaNetMixer:
                               else -self.w.dense(p + "ssm_a_log").exp()).reshape(-1)
         return self._a[layer]
 
+    def project(self, p: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, C] -> q|k|v before the conv [T, Ch], z [T, Hv, Dv], b and a [T, Hv]; a family
+        whose checkpoint fuses these projections (Qwen3-Next) overrides this."""
+        T = x.shape[0]
+        mixed = linear(x, self.w.packed(p + "attn_qkv.weight")).float()          # [T, Ch]
+        z = linear(x, self.w.packed(p + "attn_gate.weight")).float().view(T, self.hv, self.dv)
+        b = linear(x, self.w.packed(p + "ssm_beta.weight")).float()              # [T, Hv]
+        a = linear(x, self.w.packed(p + "ssm_alpha.weight")).float()
+        return mixed, z, b, a
+
     def __call__(self, layer: int, x: torch.Tensor, state: list[torch.Tensor], trail: list | None = None) -> torch.Tensor:
         """trail: the KV cache's recorder for this layer (models/kv.py) while a rollback mark is set;
         the chunk leaves its recurrence inputs there so the state can be replayed to any prefix."""
         p, T = f"blk.{layer}.", x.shape[0]
         hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
-        mixed = linear(x, self.w.packed(p + "attn_qkv.weight")).float()          # [T, Ch]
-        z = linear(x, self.w.packed(p + "attn_gate.weight")).float().view(T, hv, dv)
-        b = linear(x, self.w.packed(p + "ssm_beta.weight")).float()              # [T, Hv]
-        a = linear(x, self.w.packed(p + "ssm_alpha.weight")).float()
+        mixed, z, b, a = self.project(p, x)
         conv_w = self.w.dense(p + "ssm_conv1d.weight")
         conv_in = mixed
         mixed = causal_conv(mixed, state[0], conv_w.reshape(conv_w.shape[0], -1))
