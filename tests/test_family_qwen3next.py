@@ -1,6 +1,6 @@
 """Qwen3-Next (hybrid gated delta-net, fused qkvz/ba projections): logits against transformers from
 HF and GGUF packs (llama.cpp's split attn_qkv + attn_gate and its legacy fused ssm_in), agreement
-with llama.cpp on the same GGUF, cache transparency, planned bytes, config normalization."""
+with llama.cpp on the same GGUF, cache transparency, planned bytes, config normalization, the MTP block from HF and GGUF."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ from mawforge.engine.generate import generate
 from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.engine.sampling import SamplingParams
 from mawforge.errors import UnsupportedError
-from mawforge.fixtures.family_qwen3next import build_hf, load_hf, write_gguf
+from mawforge.fixtures.family_qwen3next import add_mtp_block, build_hf, load_hf, write_gguf
 from mawforge.fixtures.llama_ref import llama_logits
 from mawforge.formats.config import from_hf_config
 from mawforge.pack.manifest import read_index, read_manifest
@@ -132,3 +132,39 @@ def test_dense_layers_are_refused(fam):
     c = json.loads((fam["hf"] / "config.json").read_text())
     with pytest.raises(UnsupportedError, match="dense MLP layers"):
         from_hf_config(c | {"mlp_only_layers": [0]})
+
+
+def test_mtp_block_drafts_like_the_reference(tmp_path):
+    """The hub checkpoints carry one MTP block that config.json does not count; packed from HF
+    (mtp.*) and from GGUF (layer n_layers, nextn_predict_layers = 1) it drafts as transformers'
+    own decoder layer and norms do (the MTP step is Qwen35Moe's; llama.cpp's qwen3next MTP graph is
+    the same). llama.cpp still loads the file and its main logits agree."""
+    hf = build_hf(tmp_path / "hf")
+    model = load_hf(hf)
+    mods = add_mtp_block(hf, model)
+    gguf_path = write_gguf(hf, tmp_path / "mtp.gguf")
+    ids, nxt = TOKENS[:12], TOKENS[1:13]
+    with torch.no_grad():
+        hidden = model.model(torch.tensor([ids])).last_hidden_state                  # [1, T, C], final-normed
+        x = mods["fc"](torch.cat((mods["enorm"](model.model.embed_tokens(torch.tensor([nxt]))),
+                                  mods["hnorm"](hidden)), dim=-1))
+        pos = torch.arange(len(ids))[None]
+        mask = torch.full((len(ids), len(ids)), float("-inf")).triu(1)[None, None]
+        x = mods["layer"](x, position_embeddings=model.model.rotary_emb(x, pos), attention_mask=mask)
+        want = model.lm_head(mods["norm"](x))[0]
+        main = model(torch.tensor([TOKENS])).logits[0]
+    assert (llama_logits(gguf_path, TOKENS).argmax(-1) == main.numpy().argmax(-1)).all()
+    for src in (hf, gguf_path):
+        pack(src, tmp_path / f"pack-{src.name}", progress=False)
+        assert len(read_index(tmp_path / f"pack-{src.name}").layers) == 4     # MTP experts stay out of the cache
+        rt = _open(tmp_path / f"pack-{src.name}")
+        try:
+            m = rt.model
+            assert m.has_mtp
+            with torch.inference_mode():
+                h = m.hidden(torch.tensor(ids), 0, rt.kv)
+                got = m.mtp_logits(h, torch.tensor(nxt), 0, m.mtp_cache(64))
+            # measured max |diff| 1.9e-6 from both sources
+            torch.testing.assert_close(got, want, rtol=0, atol=F32_MODEL_ATOL)
+        finally:
+            rt.close()

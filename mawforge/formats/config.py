@@ -358,13 +358,15 @@ def _gemma4_gguf(m: dict) -> dict:
 
 
 def _qwen3next_hf(c: dict) -> dict:
-    """As Qwen3.5 (zero-centred norms, grouped value heads); every layer must be MoE, as in the
+    """As Qwen3.5 (zero-centred norms, grouped value heads, one MTP block); every layer must be MoE, as in the
     released checkpoints and as llama.cpp requires (it has no dense-layer path for this arch)."""
     step, dense = int(c.get("decoder_sparse_step") or 1), list(c.get("mlp_only_layers") or [])
     if dense or step != 1:
         raise UnsupportedError(f"qwen3_next with dense MLP layers (mlp_only_layers {dense}, decoder_sparse_step "
                                f"{step}) is not supported; the released models are MoE in every layer")
-    return _qwen35moe_hf({**c, "mtp_num_hidden_layers": 0})
+    # config.json does not count the MTP block (llama.cpp's converter counts mtp.layers.*); the
+    # released models have one, and the model file drafts with it only where its tensors are
+    return _qwen35moe_hf({**c, "mtp_num_hidden_layers": c.get("mtp_num_hidden_layers") or 1})
 
 
 def _qwen3next_gguf(m: dict) -> dict:

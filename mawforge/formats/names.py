@@ -56,6 +56,10 @@ _HF_ARCH = {
         (r"layers\.(\d+)\.linear_attn\.A_log", "blk.{0}.ssm_a_log"),
         (r"layers\.(\d+)\.linear_attn\.norm\.weight", "blk.{0}.ssm_norm.weight"),
         (r"layers\.(\d+)\.linear_attn\.out_proj\.weight", "blk.{0}.ssm_out.weight"),
+        (r"layers\.(\d+)\.fc\.weight", "blk.{0}.nextn.eh_proj.weight"),        # MTP block, as qwen35moe
+        (r"layers\.(\d+)\.pre_fc_norm_embedding\.weight", "blk.{0}.nextn.enorm.weight"),
+        (r"layers\.(\d+)\.pre_fc_norm_hidden\.weight", "blk.{0}.nextn.hnorm.weight"),
+        (r"layers\.(\d+)\.mtp_norm\.weight", "blk.{0}.nextn.shared_head_norm.weight"),
     ],
     "gemma4": [
         (r"layers\.(\d+)\.post_attention_layernorm\.weight", "blk.{0}.post_attention_norm.weight"),
