@@ -5,14 +5,13 @@ the runtime allocates with them, so planned and allocated bytes cannot drift apa
 """
 from __future__ import annotations
 
+from mawforge.archs import ARCHS
+
 PAGE = 4096
 
-DENSE_SUFFIXES = ("_norm.weight", ".bias", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight",
-                  # delta-net and Gemma 4 vectors
-                  "_norm_1.weight", "_norm_2.weight", "norm.weight", ".scale", "ssm_a", "ssm_a_log",
-                  "ssm_conv1d.weight", "layer_output_scale.weight", "rope_freqs.weight",
-                  # gpt-oss sinks; DeepSeek MLA up-projections, used per head (absorbed)
-                  "attn_sinks.weight", "attn_kv_b.weight", "attn_k_b.weight", "attn_v_b.weight")
+# Shared by every architecture; each architecture file adds its own (Arch.dense).
+_COMMON_DENSE = ("_norm.weight", ".bias", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "norm.weight")
+DENSE_SUFFIXES = _COMMON_DENSE + tuple(s for a in ARCHS.values() for s in a.dense if s not in _COMMON_DENSE)
 
 
 def round_page(n: int) -> int:

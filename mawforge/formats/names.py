@@ -1,12 +1,15 @@
 """Tensor-name tables: HF checkpoint names and GGUF names onto one canonical set.
 
 Canonical names are llama.cpp's GGUF names. Routed experts are not named here as
-tensors; they map to (layer, kind[, expert]) and are split into per-expert blocks.
+tensors; they map to (layer, kind[, expert]) and are split into per-expert blocks. The names
+one architecture adds or renames live in its file (mawforge/archs/<name>.py, HF_NAMES).
 """
 from __future__ import annotations
 
 import re
 from typing import NamedTuple
+
+from mawforge.archs import ARCHS
 
 # HF (after stripping a leading "model.") -> canonical, shared by all archs.
 _HF_COMMON = [
@@ -27,81 +30,6 @@ _HF_COMMON = [
     (r"layers\.(\d+)\.mlp\.shared_expert\.down_proj\.weight", "blk.{0}.ffn_down_shexp.weight"),
     (r"layers\.(\d+)\.mlp\.shared_expert_gate\.weight", "blk.{0}.ffn_gate_inp_shexp.weight"),
 ]
-
-# Per-architecture HF names, tried before the shared table (llama.cpp's names for that arch).
-_HF_ARCH = {
-    "qwen35moe": [
-        (r"layers\.(\d+)\.post_attention_layernorm\.weight", "blk.{0}.post_attention_norm.weight"),
-        (r"layers\.(\d+)\.linear_attn\.in_proj_qkv\.weight", "blk.{0}.attn_qkv.weight"),
-        (r"layers\.(\d+)\.linear_attn\.in_proj_z\.weight", "blk.{0}.attn_gate.weight"),
-        (r"layers\.(\d+)\.linear_attn\.in_proj_b\.weight", "blk.{0}.ssm_beta.weight"),
-        (r"layers\.(\d+)\.linear_attn\.in_proj_a\.weight", "blk.{0}.ssm_alpha.weight"),
-        (r"layers\.(\d+)\.linear_attn\.conv1d\.weight", "blk.{0}.ssm_conv1d.weight"),
-        (r"layers\.(\d+)\.linear_attn\.dt_bias", "blk.{0}.ssm_dt.bias"),
-        (r"layers\.(\d+)\.linear_attn\.A_log", "blk.{0}.ssm_a_log"),   # llama.cpp stores -exp(A_log) as ssm_a
-        (r"layers\.(\d+)\.linear_attn\.norm\.weight", "blk.{0}.ssm_norm.weight"),
-        (r"layers\.(\d+)\.linear_attn\.out_proj\.weight", "blk.{0}.ssm_out.weight"),
-        # MTP block (after mtp_names() moved it to layer n_layers)
-        (r"layers\.(\d+)\.fc\.weight", "blk.{0}.nextn.eh_proj.weight"),
-        (r"layers\.(\d+)\.pre_fc_norm_embedding\.weight", "blk.{0}.nextn.enorm.weight"),
-        (r"layers\.(\d+)\.pre_fc_norm_hidden\.weight", "blk.{0}.nextn.hnorm.weight"),
-        (r"layers\.(\d+)\.mtp_norm\.weight", "blk.{0}.nextn.shared_head_norm.weight"),
-    ],
-    "qwen3next": [   # in_proj_qkvz is llama.cpp's legacy ssm_in; in_proj_ba its ssm_ba (same layout)
-        (r"layers\.(\d+)\.post_attention_layernorm\.weight", "blk.{0}.post_attention_norm.weight"),
-        (r"layers\.(\d+)\.linear_attn\.in_proj_qkvz\.weight", "blk.{0}.ssm_in.weight"),
-        (r"layers\.(\d+)\.linear_attn\.in_proj_ba\.weight", "blk.{0}.ssm_ba.weight"),
-        (r"layers\.(\d+)\.linear_attn\.conv1d\.weight", "blk.{0}.ssm_conv1d.weight"),
-        (r"layers\.(\d+)\.linear_attn\.dt_bias", "blk.{0}.ssm_dt.bias"),
-        (r"layers\.(\d+)\.linear_attn\.A_log", "blk.{0}.ssm_a_log"),
-        (r"layers\.(\d+)\.linear_attn\.norm\.weight", "blk.{0}.ssm_norm.weight"),
-        (r"layers\.(\d+)\.linear_attn\.out_proj\.weight", "blk.{0}.ssm_out.weight"),
-        (r"layers\.(\d+)\.fc\.weight", "blk.{0}.nextn.eh_proj.weight"),        # MTP block, as qwen35moe
-        (r"layers\.(\d+)\.pre_fc_norm_embedding\.weight", "blk.{0}.nextn.enorm.weight"),
-        (r"layers\.(\d+)\.pre_fc_norm_hidden\.weight", "blk.{0}.nextn.hnorm.weight"),
-        (r"layers\.(\d+)\.mtp_norm\.weight", "blk.{0}.nextn.shared_head_norm.weight"),
-    ],
-    "gemma4": [
-        (r"layers\.(\d+)\.post_attention_layernorm\.weight", "blk.{0}.post_attention_norm.weight"),
-        (r"layers\.(\d+)\.pre_feedforward_layernorm\.weight", "blk.{0}.ffn_norm.weight"),
-        (r"layers\.(\d+)\.post_feedforward_layernorm\.weight", "blk.{0}.post_ffw_norm.weight"),
-        (r"layers\.(\d+)\.pre_feedforward_layernorm_2\.weight", "blk.{0}.pre_ffw_norm_2.weight"),
-        (r"layers\.(\d+)\.post_feedforward_layernorm_1\.weight", "blk.{0}.post_ffw_norm_1.weight"),
-        (r"layers\.(\d+)\.post_feedforward_layernorm_2\.weight", "blk.{0}.post_ffw_norm_2.weight"),
-        (r"layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", "blk.{0}.ffn_{1}.weight"),
-        (r"layers\.(\d+)\.router\.proj\.weight", "blk.{0}.ffn_gate_inp.weight"),
-        (r"layers\.(\d+)\.router\.scale", "blk.{0}.ffn_gate_inp.scale"),
-        (r"layers\.(\d+)\.router\.per_expert_scale", "blk.{0}.ffn_down_exps.scale"),
-        (r"layers\.(\d+)\.layer_scalar", "blk.{0}.layer_output_scale.weight"),
-    ],
-    "deepseek2": [   # MLA projections, dense first layers, shared experts, router correction bias
-        (r"layers\.(\d+)\.self_attn\.q_a_proj\.weight", "blk.{0}.attn_q_a.weight"),
-        (r"layers\.(\d+)\.self_attn\.q_a_layernorm\.weight", "blk.{0}.attn_q_a_norm.weight"),
-        (r"layers\.(\d+)\.self_attn\.q_b_proj\.weight", "blk.{0}.attn_q_b.weight"),
-        (r"layers\.(\d+)\.self_attn\.kv_a_proj_with_mqa\.weight", "blk.{0}.attn_kv_a_mqa.weight"),
-        (r"layers\.(\d+)\.self_attn\.kv_a_layernorm\.weight", "blk.{0}.attn_kv_a_norm.weight"),
-        (r"layers\.(\d+)\.self_attn\.kv_b_proj\.weight", "blk.{0}.attn_kv_b.weight"),
-        (r"layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", "blk.{0}.ffn_{1}.weight"),
-        (r"layers\.(\d+)\.mlp\.shared_experts\.(gate|up|down)_proj\.weight", "blk.{0}.ffn_{1}_shexp.weight"),
-        (r"layers\.(\d+)\.mlp\.gate\.e_score_correction_bias", "blk.{0}.exp_probs_b.bias"),
-        # DeepSeek-V3 MTP (nextn) layer n_layers, as llama.cpp's gguf-py names it (glm4moe's loader);
-        # its embed_tokens and shared_head.head repeat the model's own and are not read
-        (r"layers\.(\d+)\.eh_proj\.weight", "blk.{0}.nextn.eh_proj.weight"),
-        (r"layers\.(\d+)\.enorm\.weight", "blk.{0}.nextn.enorm.weight"),
-        (r"layers\.(\d+)\.hnorm\.weight", "blk.{0}.nextn.hnorm.weight"),
-        (r"layers\.(\d+)\.shared_head\.norm\.weight", "blk.{0}.nextn.shared_head_norm.weight"),
-    ],
-    "gpt-oss": [
-        (r"layers\.(\d+)\.post_attention_layernorm\.weight", "blk.{0}.post_attention_norm.weight"),
-        (r"layers\.(\d+)\.self_attn\.o_proj\.bias", "blk.{0}.attn_output.bias"),
-        (r"layers\.(\d+)\.self_attn\.sinks", "blk.{0}.attn_sinks.weight"),
-        (r"layers\.(\d+)\.mlp\.router\.(weight|bias)", "blk.{0}.ffn_gate_inp.{1}"),
-    ],
-}
-
-# Expert kinds whose HF layout differs per arch. GPT-OSS stores experts input-major
-# (x @ W): gate_up_proj [E, H, 2F] with gate/up interleaved in the columns, down_proj [E, F, H].
-_HF_EXPERT_KINDS = {"gpt-oss": {"gate_up": "gate_up_t", "down": "down_t"}}
 
 # HF routed experts: (pattern, kind, fused). Fused = one 3-D parameter for all experts.
 _HF_EXPERTS = [
@@ -143,7 +71,6 @@ def _compile(table):
 
 
 _HF_COMMON_RE = _compile(_HF_COMMON)
-_HF_ARCH_RE = {a: _compile(t) for a, t in _HF_ARCH.items()}
 _HF_EXPERTS_RE = _compile(_HF_EXPERTS)
 _GGUF_EXPERTS_RE = _compile(_GGUF_EXPERTS)
 
@@ -160,7 +87,7 @@ def _match_expert(name: str, table) -> ExpertName | None:
 
 def hf_expert(name: str, arch: str | None = None) -> ExpertName | None:
     en = _match_expert(_strip_model(name), _HF_EXPERTS_RE)
-    kinds = _HF_EXPERT_KINDS.get(arch)
+    kinds = ARCHS[arch].hf_expert_kinds if arch in ARCHS else None
     return en._replace(kind=kinds.get(en.kind, en.kind)) if en is not None and kinds else en
 
 
@@ -171,7 +98,8 @@ def gguf_expert(name: str) -> ExpertName | None:
 def hf_common(name: str, arch: str | None = None) -> str | None:
     """Canonical name of an HF tensor, or None when the name is not known."""
     n = _strip_model(name)
-    for rx, template in _HF_ARCH_RE.get(arch, []) + _HF_COMMON_RE:
+    own = ARCHS[arch].hf_name_table() if arch in ARCHS else []
+    for rx, template in own + _HF_COMMON_RE:
         m = rx.match(n)
         if m:
             return template.format(*m.groups())

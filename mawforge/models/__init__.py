@@ -1,8 +1,12 @@
-"""One file per architecture; importing this package registers them all."""
-from mawforge.models import gemma4, mixtral, olmoe, qwen2moe, qwen35moe, qwen3moe  # noqa: F401
-from mawforge.models import deepseek2, gptoss, qwen3next  # noqa: F401
-from mawforge.models.base import MoETransformer
+"""The model layer: base.py (the decoder loop and its blocks), kv.py, deltanet.py, mtp.py. The
+architectures themselves live one file each in mawforge/archs/; `model_class` builds theirs."""
+from __future__ import annotations
+
+import functools
+
+from mawforge.archs import get
 
 
-def model_class(arch: str) -> type[MoETransformer]:
-    return MoETransformer.registry[arch]
+@functools.lru_cache(maxsize=None)
+def model_class(arch: str) -> type:
+    return get(arch).model()

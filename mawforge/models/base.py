@@ -142,19 +142,13 @@ def route_softmax_topk(logits: torch.Tensor, k: int, renorm: bool) -> tuple[torc
 
 
 class MoETransformer:
-    """The decoder loop. An architecture file subclasses it with `arch=` and overrides the
-    hooks that differ: qk normalization, routing, and what runs beside the routed experts."""
+    """The decoder loop. An architecture file's model() subclasses it and overrides the hooks
+    that differ: qk normalization, routing, and what runs beside the routed experts."""
 
-    registry: ClassVar[dict[str, type["MoETransformer"]]] = {}
     ffn_norm_name: ClassVar[str] = "ffn_norm.weight"
     # What one routed expert computes on its block (None: swiglu_expert's SwiGLU). The cache
     # calls swiglu_expert; forward() makes this model's function current for that call.
     expert_fn: ClassVar[Callable | None] = None
-
-    def __init_subclass__(cls, arch: str | None = None, **kw):
-        super().__init_subclass__(**kw)
-        if arch:
-            MoETransformer.registry[arch] = cls
 
     def __init__(self, cfg: ModelConfig, weights, experts, device: torch.device):
         self.cfg, self.w, self.experts, self.device = cfg, weights, experts, device

@@ -1,0 +1,210 @@
+"""Qwen3.5 / 3.6 MoE (HF `qwen3_5_moe`, GGUF `qwen35moe`): a hybrid stack where most layers mix
+tokens with a gated delta-net (models/deltanet.py, fixed recurrent state) and every n-th layer
+runs full attention whose q projection also yields a per-channel output gate
+(out * sigmoid(gate)), with per-head q/k RMSNorm and RoPE on the first rope_dim dims only.
+Every layer's FFN is routed experts (softmax, renormalized top-k) plus a shared expert scaled by
+a sigmoid gate. HF RMSNorm weights are zero-centred (x * (1 + w)); llama.cpp's converter stores
+1 + w, so Args.norm_offset says which (the delta-net's gated norm is plain in both).
+
+The MTP block (llama.cpp's layer n_layers, kept as common tensors) drafts tokens ahead for
+`--speculative mtp`: `mtp_step` is one step (see its docstring), models/mtp.py chains them.
+
+Legend: T tokens in the chunk, C hidden, H heads, G kv heads, D head dim, V vocab, k experts per token.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mawforge.archs.spec import Arch, ArchArgs
+from mawforge.errors import FormatError
+
+
+@dataclass(frozen=True)
+class Args(ArchArgs):
+    layer_types: tuple = ()      # "full" (gated attention) or "linear" (delta-net) per layer
+    rope_dim: int = 0            # RoPE rotates the first rope_dim dims of a head
+    linear: dict | None = None   # delta-net heads and dims: k_heads, v_heads, k_dim, v_dim, conv, v_order
+    norm_offset: float = 0.0     # 1.0: HF zero-centred norms (x * (1 + w)); 0.0: GGUF stores 1 + w
+    mtp_layers: int = 0
+
+
+# ---- readers (torch-free): config.json / GGUF metadata -> ModelConfig field overrides ----
+def _qwen35_extra(n_layers: int, full: list[bool], *, kv_heads: int, head_dim: int, rope_dim: int,
+                  nk: int, nv: int, dk: int, dv: int, conv: int, norm_offset: float, v_heads: str,
+                  mtp: int) -> dict:
+    conv_dim = 2 * nk * dk + nv * dv
+    kv = [{"kind": "kv", "kv_heads": kv_heads, "head_dim": head_dim} if f else
+          {"kind": "recurrent", "state": [[conv_dim, conv - 1], [nv, dk, dv]]} for f in full]
+    if len(kv) != n_layers or nv % nk:
+        raise FormatError(f"qwen35moe: {len(kv)} layer types for {n_layers} layers, {nv} value heads "
+                          f"for {nk} key heads")
+    return {"extra": {"layer_types": ["full" if f else "linear" for f in full], "rope_dim": rope_dim,
+                      "linear": {"k_heads": nk, "v_heads": nv, "k_dim": dk, "v_dim": dv, "conv": conv,
+                                 "v_order": v_heads},
+                      "norm_offset": norm_offset, "mtp_layers": mtp, "kv_layers": kv}}
+
+
+def read_hf(c: dict) -> dict:
+    n, hd = int(c["num_hidden_layers"]), int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+    rope = c.get("rope_parameters") or {}
+    prf = float(rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25)))
+    types = c.get("layer_types") or ["full_attention" if (i + 1) % int(c.get("full_attention_interval", 4)) == 0
+                                     else "linear_attention" for i in range(n)]
+    return _qwen35_extra(n, [t == "full_attention" for t in types], kv_heads=int(c["num_key_value_heads"]),
+                         head_dim=hd, rope_dim=int(hd * prf), nk=int(c["linear_num_key_heads"]),
+                         nv=int(c["linear_num_value_heads"]), dk=int(c["linear_key_head_dim"]),
+                         dv=int(c["linear_value_head_dim"]), conv=int(c["linear_conv_kernel_dim"]),
+                         norm_offset=1.0, v_heads="grouped", mtp=int(c.get("mtp_num_hidden_layers", 0) or 0))
+
+
+def read_gguf(m: dict) -> dict:
+    a = "qwen35moe."
+    n = int(m[a + "block_count"]) - int(m.get(a + "nextn_predict_layers", 0) or 0)
+    every = int(m.get(a + "full_attention_interval", 4))
+    nv, ds = int(m[a + "ssm.time_step_rank"]), int(m[a + "ssm.state_size"])
+    hd = int(m.get(a + "attention.key_length") or m[a + "embedding_length"] // m[a + "attention.head_count"])
+    return _qwen35_extra(n, [(i + 1) % every == 0 for i in range(n)], kv_heads=int(m[a + "attention.head_count_kv"]),
+                         head_dim=hd, rope_dim=int(m.get(a + "rope.dimension_count", hd)),
+                         nk=int(m[a + "ssm.group_count"]), nv=nv, dk=ds, dv=int(m[a + "ssm.inner_size"]) // nv,
+                         conv=int(m[a + "ssm.conv_kernel"]), norm_offset=0.0, v_heads="tiled",
+                         mtp=int(m.get(a + "nextn_predict_layers", 0) or 0))
+
+
+# HF names tried before the shared table (formats/names.py), llama.cpp's names for this arch.
+HF_NAMES = (
+    (r"layers\.(\d+)\.post_attention_layernorm\.weight", "blk.{0}.post_attention_norm.weight"),
+    (r"layers\.(\d+)\.linear_attn\.in_proj_qkv\.weight", "blk.{0}.attn_qkv.weight"),
+    (r"layers\.(\d+)\.linear_attn\.in_proj_z\.weight", "blk.{0}.attn_gate.weight"),
+    (r"layers\.(\d+)\.linear_attn\.in_proj_b\.weight", "blk.{0}.ssm_beta.weight"),
+    (r"layers\.(\d+)\.linear_attn\.in_proj_a\.weight", "blk.{0}.ssm_alpha.weight"),
+    (r"layers\.(\d+)\.linear_attn\.conv1d\.weight", "blk.{0}.ssm_conv1d.weight"),
+    (r"layers\.(\d+)\.linear_attn\.dt_bias", "blk.{0}.ssm_dt.bias"),
+    (r"layers\.(\d+)\.linear_attn\.A_log", "blk.{0}.ssm_a_log"),   # llama.cpp stores -exp(A_log) as ssm_a
+    (r"layers\.(\d+)\.linear_attn\.norm\.weight", "blk.{0}.ssm_norm.weight"),
+    (r"layers\.(\d+)\.linear_attn\.out_proj\.weight", "blk.{0}.ssm_out.weight"),
+    # MTP block (after mtp_names() moved it to layer n_layers)
+    (r"layers\.(\d+)\.fc\.weight", "blk.{0}.nextn.eh_proj.weight"),
+    (r"layers\.(\d+)\.pre_fc_norm_embedding\.weight", "blk.{0}.nextn.enorm.weight"),
+    (r"layers\.(\d+)\.pre_fc_norm_hidden\.weight", "blk.{0}.nextn.hnorm.weight"),
+    (r"layers\.(\d+)\.mtp_norm\.weight", "blk.{0}.nextn.shared_head_norm.weight"),
+)
+
+# delta-net vectors kept float32
+DENSE = ("ssm_a", "ssm_a_log", "ssm_conv1d.weight")
+
+
+def required(cfg, layer: int) -> tuple:
+    full = cfg.args.layer_types[layer] == "full" if cfg.args.layer_types else True
+    attn = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_q_norm.weight",
+            "attn_k_norm.weight") if full else ("attn_qkv.weight", "ssm_out.weight")
+    return ("attn_norm.weight", "post_attention_norm.weight", "ffn_gate_inp.weight") + attn
+
+
+def model() -> type:
+    import torch
+
+    from mawforge.kernels import linear
+    from mawforge.models.base import MoETransformer, attend, rms_norm, rope_rotate, route_softmax_topk
+    from mawforge.models.deltanet import DeltaNetMixer
+    from mawforge.models.kv import KVCache
+    from mawforge.models.mtp import MtpMixin
+
+    class Qwen35Moe(MtpMixin, MoETransformer):
+        def __init__(self, cfg, weights, experts, device):
+            super().__init__(cfg, weights, experts, device)
+            x = cfg.args
+            self.full = [t == "full" for t in x.layer_types]
+            self.offset = float(x.norm_offset)
+            rd = x.rope_dim
+            self.inv_freq = (1.0 / cfg.rope_base ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd)).to(device)
+            self.mixer = DeltaNetMixer(weights, x.linear, cfg.norm_eps)
+            self._norms: dict[str, torch.Tensor] = {}
+
+        def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+            if name not in self._norms:
+                self._norms[name] = self.w.dense(name) + self.offset
+            return rms_norm(x, self._norms[name], self.cfg.norm_eps)
+
+        def beside_experts(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+            """The shared expert times sigmoid(h . w_gate); the gate is [1, C] in HF, [C] in GGUF."""
+            p = f"blk.{layer}."
+            g = linear(h, self.w.packed(p + "ffn_gate_shexp.weight")).float()           # [T, F_sh]
+            u = linear(h, self.w.packed(p + "ffn_up_shexp.weight")).float()
+            y = linear(torch.nn.functional.silu(g) * u, self.w.packed(p + "ffn_down_shexp.weight")).float()
+            return torch.sigmoid(h @ self.w.dense(p + "ffn_gate_inp_shexp.weight").reshape(-1, 1)) * y
+
+        def attention(self, layer: int, x: torch.Tensor, pos: torch.Tensor, kv) -> torch.Tensor:
+            cfg, T, p = self.cfg, x.shape[0], f"blk.{layer}."
+            H, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+            qg = linear(x, self.w.packed(p + "attn_q.weight")).float().view(T, H, 2 * D)
+            q, gate = qg[..., :D], qg[..., D:].reshape(T, H * D)
+            k = linear(x, self.w.packed(p + "attn_k.weight")).float().view(T, G, D)
+            v = linear(x, self.w.packed(p + "attn_v.weight")).float().view(T, G, D)
+            q = rope_rotate(self.norm(q, p + "attn_q_norm.weight"), pos, self.inv_freq)
+            k = rope_rotate(self.norm(k, p + "attn_k_norm.weight"), pos, self.inv_freq)
+            keys, vals = kv.append(layer, k, v)                                       # [G, S, D]
+            out = attend(q, keys, vals, D ** -0.5) * torch.sigmoid(gate)               # [T, H*D]
+            return linear(out, self.w.packed(p + "attn_output.weight")).float()
+
+        def layer(self, layer: int, h: torch.Tensor, pos: torch.Tensor, kv) -> torch.Tensor:
+            p = f"blk.{layer}."
+            x = self.norm(h, p + "attn_norm.weight")
+            mix = (self.attention(layer, x, pos, kv) if self.full[layer]
+                   else self.mixer(layer, x, kv.layer_state(layer), kv.recorder(layer)))
+            h = h + mix
+            x = self.norm(h, p + "post_attention_norm.weight")
+            if self.router_hook is not None:
+                self.router_hook(layer, x)
+            return h + self.ffn(layer, x)
+
+        def hidden(self, tokens: torch.Tensor, pos0: int, kv) -> torch.Tensor:
+            """tokens [T] -> final-normed hidden states [T, C] (the LM head's and the MTP's input)."""
+            pos = torch.arange(pos0, pos0 + tokens.shape[0], device=self.device)
+            h = self.w.embed(tokens)
+            for layer in range(self.cfg.n_layers):
+                h = self.layer(layer, h, pos, kv)
+            return self.norm(h, "output_norm.weight")
+
+        def _forward(self, tokens: torch.Tensor, pos0: int, kv, all_logits: bool = False) -> torch.Tensor:
+            h = self.hidden(tokens, pos0, kv)
+            self.keep_hidden(pos0, h)
+            return linear(h if all_logits else h[-1:], self.w.head()).float()          # [T, V]
+
+        # ---- multi-token prediction ---------------------------------------------------------
+        def mtp_cache(self, context: int, dtype: torch.dtype = torch.float32) -> KVCache:
+            """The MTP block's own one-layer KV cache (its layer index is n_layers)."""
+            c = self.cfg
+            layout = [{"kind": "none"}] * c.n_layers + [{"kind": "kv", "kv_heads": c.n_kv_heads, "head_dim": c.head_dim}]
+            return KVCache(c.n_layers + 1, c.n_kv_heads, c.head_dim, context, dtype, self.device, layout)
+
+        def mtp_step(self, hidden: torch.Tensor, tokens: torch.Tensor, pos0: int,
+                     mtp_kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+            """hidden [T, C] at positions pos0.. (`hidden()`, or a previous step's output), tokens [T]
+            at pos0+1.. -> (the block's normed output [T, C], draft logits [T, V] for pos0+2..).
+            As llama.cpp's qwen35moe MTP graph: eh_proj(cat(enorm(embed(tok)), hnorm(hidden))), one
+            full-attention MoE block at positions pos0.., shared_head_norm, LM head. The normed output
+            is what the next chained step reads (as vLLM's Qwen3-Next MTP). The caller commits mtp_kv."""
+            L, p = self.cfg.n_layers, f"blk.{self.cfg.n_layers}."
+            e = self.norm(self.w.embed(tokens), p + "nextn.enorm.weight")
+            hh = self.norm(hidden, p + "nextn.hnorm.weight")
+            h = linear(torch.cat((e, hh), dim=-1), self.w.packed(p + "nextn.eh_proj.weight")).float()
+            pos = torch.arange(pos0, pos0 + tokens.shape[0], device=self.device)
+            h = h + self.attention(L, self.norm(h, p + "attn_norm.weight"), pos, mtp_kv)
+            x = self.norm(h, p + "post_attention_norm.weight")
+            logits = x @ self.w.dense(p + "ffn_gate_inp.weight").T
+            idx, wts = route_softmax_topk(logits, self.cfg.top_k, self.cfg.norm_topk_prob)
+            h = h + self.mtp_experts(L, x, idx, wts) + self.beside_experts(L, x)
+            norm = p + "nextn.shared_head_norm.weight"
+            out = self.norm(h, norm if self.w.has(norm) else "output_norm.weight")
+            return out, linear(out, self.w.head()).float()
+
+        def mtp_logits(self, hidden: torch.Tensor, tokens: torch.Tensor, pos0: int, mtp_kv: KVCache) -> torch.Tensor:
+            """Draft logits [T, V] of one MTP step (see mtp_step)."""
+            return self.mtp_step(hidden, tokens, pos0, mtp_kv)[1]
+
+    return Qwen35Moe
+
+
+ARCH = Arch("qwen35moe", ("qwen3_5_moe", "qwen3_5_moe_text"), model, order=4, args=Args, read_hf=read_hf,
+            read_gguf=read_gguf, hf_names=HF_NAMES, dense=DENSE, required=required,
+            defaults=dict(qk_norm="head", norm_topk_prob=True, rope_layout="neox"))

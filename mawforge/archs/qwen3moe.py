@@ -1,0 +1,36 @@
+"""Qwen3-MoE (HF `qwen3_moe`, GGUF `qwen3moe`): per-head RMSNorm on q and k before RoPE,
+softmax router with renormalized top-k, no shared expert.
+
+The template for a new architecture: copy this file, rename, and override only the hooks that
+differ (see mawforge/models/base.py MoETransformer and CONTRIBUTING.md).
+"""
+from __future__ import annotations
+
+from mawforge.archs.spec import Arch
+
+ATTN = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight")
+
+
+def required(cfg, layer: int) -> tuple:
+    """The blk.N. tensors the model reads; `pack` refuses a source missing one, naming it."""
+    return ATTN + ("ffn_norm.weight", "ffn_gate_inp.weight", "attn_q_norm.weight", "attn_k_norm.weight")
+
+
+def model() -> type:
+    """The model class; torch and the model code load here, not when the registry is read."""
+    import torch
+
+    from mawforge.models.base import MoETransformer, rms_norm
+
+    class Qwen3Moe(MoETransformer):
+        def qk_norm(self, layer: int, q: torch.Tensor, k: torch.Tensor):
+            cfg, T, p = self.cfg, q.shape[0], f"blk.{layer}."
+            q = rms_norm(q.view(T, cfg.n_heads, cfg.head_dim), self.w.dense(p + "attn_q_norm.weight"), cfg.norm_eps)
+            k = rms_norm(k.view(T, cfg.n_kv_heads, cfg.head_dim), self.w.dense(p + "attn_k_norm.weight"), cfg.norm_eps)
+            return q.reshape(T, -1), k.reshape(T, -1)
+
+    return Qwen3Moe
+
+
+ARCH = Arch("qwen3moe", ("qwen3_moe",), model, order=0, required=required,
+            defaults=dict(qk_norm="head", norm_topk_prob=True, rope_layout="neox"))

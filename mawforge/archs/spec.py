@@ -1,0 +1,70 @@
+"""What one architecture file declares: `ARCH = Arch(...)`. Torch-free, so the readers and the
+planner can read every architecture's facts without loading the model code.
+
+An architecture file (mawforge/archs/<name>.py) holds, in this order: its typed `Args` (the
+family settings a ModelConfig keeps as plain JSON in `extra`, parsed once into a frozen
+dataclass), its HF config.json and GGUF metadata readers, its HF tensor-name table, the common
+tensors it keeps dense and the ones it requires, and `model()`, which builds the model class.
+`model()` is the only place an architecture file touches torch and mawforge.models: the
+torch-free half above it is formats-level code, the body of `model()` is model-level code.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+from mawforge.errors import FormatError
+
+
+@dataclass(frozen=True)
+class ArchArgs:
+    """Typed family settings. A subclass lists its fields; `from_extra` reads them from a
+    ModelConfig's `extra` (the manifest's JSON), `kv_layers` is shared by every family."""
+    kv_layers: tuple = ()
+
+    @classmethod
+    def from_extra(cls, extra: dict) -> "ArchArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        try:
+            return cls(**{k: _frozen(v) for k, v in extra.items() if k in names})
+        except TypeError as e:
+            raise FormatError(f"model config extra: {e}") from None
+
+
+def _frozen(v: Any) -> Any:
+    """JSON lists become tuples so that Args stay hashable and cannot be edited in place."""
+    return tuple(_frozen(x) for x in v) if isinstance(v, list) else v
+
+
+def no_settings(cfg: dict) -> dict:
+    return {}
+
+
+def no_required(cfg, layer: int) -> tuple:
+    return ()
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str                                   # llama.cpp's architecture name (GGUF general.architecture)
+    hf_model_types: tuple[str, ...]             # HF config.json model_type values that map here
+    model: Callable[[], type]                   # builds the model class (imports torch)
+    defaults: dict = field(default_factory=dict)    # ModelConfig fields the file formats do not carry
+    args: type = ArchArgs                       # typed view of ModelConfig.extra
+    read_hf: Callable[[dict], dict] = no_settings   # config.json -> ModelConfig field overrides (extra too)
+    read_gguf: Callable[[dict], dict] = no_settings  # GGUF metadata -> the same
+    gguf_aliases: tuple[str, ...] = ()          # other general.architecture values read as this arch
+    hf_names: tuple = ()                        # (HF regex after "model.", canonical template), tried first
+    hf_expert_kinds: dict = field(default_factory=dict)  # HF expert kind -> stored kind (layout differs)
+    dense: tuple[str, ...] = ()                 # common-tensor suffixes kept float32 (byte_rules adds them)
+    required: Callable[[Any, int], tuple] = no_required   # (cfg, layer) -> blk.N. suffixes the model reads
+    order: int = 100                            # position in SUPPORTED_ARCHS (error messages, docs)
+
+    compiled: ClassVar[dict] = {}
+
+    def hf_name_table(self) -> list:
+        if self.name not in Arch.compiled:
+            Arch.compiled[self.name] = [(re.compile(p + r"$"), t) for p, t in self.hf_names]
+        return Arch.compiled[self.name]
