@@ -1,0 +1,106 @@
+"""The architecture table: one ArchCase row per architecture, every shared conformance test
+parametrized over it (as transformers' CausalLMModelTester: one row of class attributes per
+model, one shared mixin of tests).
+
+How to add a row (a new architecture `foo`):
+  1. Give your fixture module (mawforge/fixtures/...) `build_hf(arch, out_dir, **kw)`,
+     `write_gguf(hf_dir, out_path, ftype)`, a transformers `load_hf(hf_dir)` and, if the
+     architecture has MTP, `add_mtp(hf_dir, model) -> modules`; register it once in
+     api.BUILDERS (the one file that imports MawForge).
+  2. Append `ArchCase("foo", builder="yours", ggufs=(...), llama=(Llama("F32"), ...), ...)` to
+     CASES below. Tolerances come from tests/bounds.py only; a llama.cpp min_top1 below 1.0 needs
+     its measurement in a comment.
+  3. Run `PYTHONPATH=$PWD python -m pytest tests/conformance -x -q -k foo`. Checks that only
+     your family has go in tests/conformance/test_family_<name>.py.
+
+Source names: "hf" (HF directory, the hub's per-expert layout), "hf_fused" (transformers 5.x
+fused experts), "hf_yarn" (YaRN rope), a GGUF ftype ("F32", "Q8_0", ...); "mtp:<source>" is the
+same built from an HF directory that carries an MTP layer. GGUFs are written from "hf".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from bounds import LLAMA_F32_ATOL
+
+TOKENS = tuple(range(3, 43))        # 40 positions: past GPT-OSS's sliding window, across prefill chunks of 16
+LONG_TOKENS = tuple(int(x) for x in np.random.default_rng(0).integers(5, 1000, 300))   # 300 random ids
+
+
+@dataclass(frozen=True)
+class Llama:
+    """llama.cpp teacher-forced top-1 agreement on one GGUF ftype (llama.cpp runs the arch)."""
+    ftype: str
+    min_top1: float = 1.0                   # share of positions whose top-1 equals llama.cpp's
+    layouts: tuple[str, ...] = ("exact",)   # pack layouts compared on this GGUF
+    # quantized: also within 0.03 of llama.cpp's own batched-vs-one-token agreement, >= 0.99 where
+    # llama.cpp's top-2 margin >= 0.1 (see test_shared.test_llama_cpp_agrees_teacher_forced)
+    self_check: bool = False
+
+
+@dataclass(frozen=True)
+class ArchCase:
+    arch: str                                   # HF model_type, the registry key
+    builder: str                                # api.BUILDERS key: the fixture module that makes it
+    hf: tuple[str, ...] = ("hf",)               # HF directory sources
+    ggufs: tuple[str, ...] = ("F32",)           # GGUF ftypes written from "hf"
+    logits: tuple[str, ...] = ("hf", "F32")     # packs whose F32 logits equal transformers' within F32_MODEL_ATOL
+    llama: tuple[Llama, ...] = ()               # empty: llama.cpp does not run this arch
+    llama_tokens: tuple[int, ...] = TOKENS
+    llama_f32_atol: float | None = LLAMA_F32_ATOL   # llama.cpp F32 vs transformers; None: not comparable
+    transparent: tuple[str, ...] = ("F32",)     # greedy at the minimum cache == at the whole cache
+    plan_source: str = "F32"                    # planned bytes == allocated bytes
+    dense_layers: tuple[int, ...] = ()          # layers with a dense FFN (no expert blocks)
+    mtp: tuple[str, ...] = ()                   # sources with an MTP layer: step vs reference, packed as common
+    mtp_greedy: tuple[str, ...] = ()            # MTP sources whose greedy MTP decoding == plain decoding
+    recurrent: bool = False                     # layers hold recurrent state (a verify step copies it)
+
+    @property
+    def id(self) -> str:
+        return self.arch
+
+
+_BASE_LLAMA = (Llama("F32"), Llama("F16"), Llama("Q8_0", 0.95, self_check=True),
+               Llama("Q4_K_M", 0.95, ("exact", "int4pack"), self_check=True))
+
+CASES: tuple[ArchCase, ...] = (
+    # the four original archs (mawforge/fixtures/tiny.py, built once per session by tests/conftest.py)
+    *(ArchCase(a, "tiny", hf=("hf", "hf_fused"), ggufs=("F32", "F16", "Q8_0", "Q4_K_M"),
+               logits=("hf", "hf_fused", "F32"), llama=_BASE_LLAMA, llama_tokens=LONG_TOKENS,
+               transparent=("Q4_K_M",)) for a in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")),
+    # DeepSeek V2/V3 (MLA, grouped routing, dense first layer) and GPT-OSS (sinks, sliding window,
+    # MXFP4). Measured top-1 vs llama.cpp on 24 positions: F32 1.00; Q8_0 and MXFP4 0.95 (llama.cpp
+    # quantizes activations), bound 0.9.
+    ArchCase("deepseek_v3", "ds_oss", hf=("hf", "hf_yarn"), ggufs=("F32", "Q8_0"), logits=("hf", "hf_yarn", "F32"),
+             llama=(Llama("F32"), Llama("Q8_0", 0.9)), transparent=("hf",), plan_source="hf", dense_layers=(0,),
+             mtp=("mtp:hf", "mtp:F32", "mtp:Q8_0"), mtp_greedy=("mtp:hf", "mtp:Q8_0")),
+    ArchCase("deepseek_v2", "ds_oss", logits=("hf",), ggufs=(), llama_f32_atol=None, transparent=("hf",),
+             plan_source="hf", dense_layers=(0,)),
+    # GGUF F32 differs from HF by YaRN truncation (test_family_deepseek_gptoss), so only "hf" is exact
+    ArchCase("gpt_oss", "ds_oss", ggufs=("F32", "MXFP4"), logits=("hf",), llama=(Llama("F32"), Llama("MXFP4", 0.9)),
+             transparent=("MXFP4",), plan_source="hf"),
+    # Qwen3.5-MoE (gated delta-net hybrid, MTP) and Gemma 4 MoE. Measured top-1 vs llama.cpp on
+    # these 40 positions: F32 40/40 both; Q8_0 qwen3_5_moe 39/40, gemma4 40/40.
+    ArchCase("qwen3_5_moe", "q35_gemma4", ggufs=("F32", "Q8_0"), llama=(Llama("F32"), Llama("Q8_0", 0.95)),
+             transparent=("Q8_0",), mtp=("mtp:hf", "mtp:F32", "mtp:Q8_0"), mtp_greedy=("mtp:hf",), recurrent=True),
+    ArchCase("gemma4", "q35_gemma4", ggufs=("F32", "Q8_0"), llama=(Llama("F32"), Llama("Q8_0", 0.95)),
+             transparent=("Q8_0",)),
+)
+
+BY_ARCH = {c.arch: c for c in CASES}
+
+
+def rows(pred=lambda c: True) -> list[ArchCase]:
+    return [c for c in CASES if pred(c)]
+
+
+def pairs(field: str) -> list[tuple[ArchCase, str]]:
+    """(row, item) for every item of a tuple field of every row: parametrize over (arch, source)."""
+    return [(c, s) for c in CASES for s in getattr(c, field)]
+
+
+def ids(params) -> list[str]:
+    return ["-".join(str(getattr(p, "id", getattr(p, "ftype", p))) for p in (x if isinstance(x, tuple) else (x,)))
+            for x in params]

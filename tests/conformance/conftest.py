@@ -1,0 +1,101 @@
+"""Session fixtures of the conformance harness: every row's sources and packs, built once per
+session and only when a test asks for them; transformers' and llama.cpp's logits cached."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from . import api
+from .cases import BY_ARCH, ArchCase
+
+
+class Sources:
+    """Lazily built sources of the table's rows. The four "tiny" archs come from the session
+    fixtures of tests/conftest.py (shared with the rest of the suite); the others are built here."""
+
+    def __init__(self, root: Path, fixtures_root_fn, packs_fn):
+        self.root, self._fixtures_root, self._packs = root, fixtures_root_fn, packs_fn
+        self._made: dict = {}
+        self._hf_logits: dict = {}
+        self._llama: dict = {}
+
+    def _once(self, key, make):
+        if key not in self._made:
+            self._made[key] = make()
+        return self._made[key]
+
+    def path(self, case: ArchCase, source: str) -> Path:
+        """The HF directory or GGUF file of one source."""
+        if case.builder == "tiny":
+            fx = self._fixtures_root()[case.arch]
+            return fx[source] if source.startswith("hf") else fx["gguf"][source]
+        b = api.BUILDERS[case.builder]
+        if source.startswith("mtp:"):
+            hf = self.mtp(case)[0]
+            src = source[4:]
+            if src == "hf":
+                return hf
+            return self._once((case.arch, source), lambda: b.write_gguf(hf, self.root / f"{case.arch}-mtp-{src}.gguf", src))
+        if source.startswith("hf"):
+            kw = {"yarn": True} if source == "hf_yarn" else {}
+            return self._once((case.arch, source), lambda: b.build_hf(case.arch, self.root / f"{case.arch}-{source}", **kw))
+        hf = self.path(case, "hf")
+        return self._once((case.arch, source), lambda: b.write_gguf(hf, self.root / f"{case.arch}-{source}.gguf", source))
+
+    def pack(self, case: ArchCase, source: str, layout: str = "exact") -> Path:
+        if case.builder == "tiny":
+            return self._packs()[(case.arch, source, layout)]
+        src = self.path(case, source)
+        out = self.root / f"pack-{case.arch}-{source.replace(':', '-')}-{layout}"
+        return self._once(("pack", case.arch, source, layout),
+                          lambda: (api.pack(src, out, layout=layout, progress=False), out)[1])
+
+    def mtp(self, case: ArchCase):
+        """(HF directory with an MTP layer, the transformers model, the MTP layer's modules)."""
+        def make():
+            b = api.BUILDERS[case.builder]
+            hf = b.build_hf(case.arch, self.root / f"{case.arch}-hf-mtp")
+            model = b.load_hf(hf)
+            return hf, model, b.add_mtp(hf, model)
+        return self._once((case.arch, "mtp"), make)
+
+    def hf_logits(self, case: ArchCase, source: str = "hf", tokens=None) -> torch.Tensor:
+        """transformers' float32 logits [T, V] on the HF directory a source was made from."""
+        ref = source if source in ("hf_yarn",) else "hf"
+        tokens = tuple(tokens) if tokens is not None else None
+        from .cases import TOKENS
+        tokens = tokens or TOKENS
+        key = (case.arch, ref, tokens)
+        if key not in self._hf_logits:
+            model = api.BUILDERS[case.builder].load_hf(self.path(case, ref))
+            with torch.no_grad():
+                self._hf_logits[key] = model(torch.tensor([list(tokens)])).logits[0].float()
+        return self._hf_logits[key]
+
+    def llama(self, case: ArchCase, ftype: str, tokens, n_batch: int = 512):
+        """llama.cpp's teacher-forced logits [T, V] (numpy) on one GGUF, in a child process."""
+        key = (case.arch, ftype, tuple(tokens), n_batch)
+        if key not in self._llama:
+            self._llama[key] = api.llama_logits(self.path(case, ftype), list(tokens), n_ctx=320, n_batch=n_batch)
+        return self._llama[key]
+
+
+@pytest.fixture(scope="session")
+def sources(tmp_path_factory, request) -> Sources:
+    return Sources(tmp_path_factory.mktemp("conformance"), lambda: request.getfixturevalue("fixtures_root"),
+                   lambda: request.getfixturevalue("packs"))
+
+
+@pytest.fixture
+def one_thread():
+    """MTP drafting tests ran on one torch thread in tests/test_mtp.py; kept so."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def case(arch: str) -> ArchCase:
+    return BY_ARCH[arch]
