@@ -11,6 +11,7 @@ from mawforge.engine.speculative import SpecOptions, Speculator
 from mawforge.errors import BudgetRejected, MawError, UnsupportedError
 from mawforge.fixtures import families_ds_oss as ds_oss
 from mawforge.fixtures import families_qwen35_gemma4 as q35_gemma4
+from mawforge.fixtures import family_qwen3next as qwen3next
 from mawforge.fixtures import tiny
 from mawforge.fixtures.gguf_writer import write_gguf as tiny_write_gguf
 from mawforge.fixtures.llama_ref import llama_generate_many, llama_logits
@@ -25,7 +26,7 @@ from mawforge.plan import GiB, PackFacts, make_plan
 __all__ = ["generate", "Runtime", "RuntimeOptions", "Sampler", "SamplingParams", "SpecOptions", "Speculator",
            "BudgetRejected", "MawError", "UnsupportedError", "llama_generate_many", "llama_logits",
            "from_hf_config", "hf_common", "open_source", "KVCache", "read_index", "read_manifest", "pack",
-           "GiB", "PackFacts", "make_plan", "Builder", "BUILDERS", "ds_oss", "q35_gemma4", "tiny"]
+           "GiB", "PackFacts", "make_plan", "Builder", "BUILDERS", "ds_oss", "q35_gemma4", "qwen3next", "tiny"]
 
 
 class Builder(NamedTuple):
@@ -41,4 +42,5 @@ BUILDERS = {
     "tiny": Builder(tiny.build_hf, tiny_write_gguf, tiny.load_hf, None),
     "ds_oss": Builder(ds_oss.build_hf, ds_oss.write_gguf, tiny.load_hf, ds_oss.add_mtp_layer),
     "q35_gemma4": Builder(q35_gemma4.build_hf, q35_gemma4.write_gguf, q35_gemma4.load_hf, q35_gemma4.add_mtp_block),
+    "qwen3next": Builder(qwen3next.build_hf, qwen3next.write_gguf, qwen3next.load_hf, qwen3next.add_mtp_block),
 }
