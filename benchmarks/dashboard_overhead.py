@@ -37,7 +37,7 @@ with urllib.request.urlopen(sys.argv[1] + "/dashboard/events") as r:
 
 
 def make_pack(root: Path, layers: int, experts: int) -> Path:
-    from mawforge.fixtures.synth import synth
+    from mawforge.synth import synth
     from mawforge.pack.packer import pack
     out = root / f"dash-L{layers}-E{experts}.pack"
     if not out.exists():

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import numpy as np  # noqa: E402
 
 from mawforge.fixtures.ggml_ref import ggml_matmul  # noqa: E402
-from mawforge.formats import quants  # noqa: E402
+from mawforge.codecs import quants  # noqa: E402
 from mawforge.kernels import cpu  # noqa: E402
 from test_quants import pack, source_bytes  # noqa: E402
 

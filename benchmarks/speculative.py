@@ -73,7 +73,7 @@ def tiny_packs(root: Path) -> tuple[Path, Path]:
 def tiny_synth_packs(root: Path) -> tuple[Path, Path]:
     """The full-size recipe at tiny dimensions: `mawforge synth` Q4_K_M, a 4-layer target and a
     2-layer draft with the same seed and vocabulary (so the same tokenizer), packed exact."""
-    from mawforge.fixtures.synth import synth
+    from mawforge.synth import synth
     from mawforge.pack.packer import pack
     dims = dict(hidden=256, n_head=4, n_head_kv=2, head_dim=64, n_expert=16, n_expert_used=4, expert_ff=256)
     out = []

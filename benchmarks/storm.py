@@ -39,7 +39,7 @@ def start_server(pack: Path, context: int, queue: int, log: Path, root: Path | N
 
 
 def synth_pack(root: Path) -> Path:
-    from mawforge.fixtures.synth import synth
+    from mawforge.synth import synth
     from mawforge.pack.packer import pack
     root.mkdir(parents=True, exist_ok=True)
     g, out = root / "tiny.gguf", root / "tiny.pack"

@@ -12,7 +12,7 @@ COMMANDS = {
     "pack": "mawforge.pack.commands:Pack",
     "inspect": "mawforge.pack.commands:Inspect",
     "verify": "mawforge.pack.commands:Verify",
-    "synth": "mawforge.fixtures.synth:",
+    "synth": "mawforge.synth:",
     "plan": "mawforge.plan:",
     "run": "mawforge.engine.run:",
     "serve": "mawforge.serve.app:",

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from demo_export import NAME, load_model
-from mawforge.fixtures.routing_profile import measure
+from mawforge.synth.routing_profile import measure
 from mawforge.trace.record import TraceRecorder
 from mawforge.trace.replay import replay
 

@@ -6,7 +6,7 @@ markdown table docs/synth.md quotes.
 Default: synthetic files with the demo model's own dimensions (16 experts, top-2, 4 layers),
 so popularity and overlap compare directly. --shape-true: Qwen3-30B-A3B dimensions (128
 experts, top-8) with as many layers as the profile, popularity carried by the profile's
-Lorenz curve (mawforge.fixtures.routing_profile). Each file is probed by the routing probe
+Lorenz curve (mawforge.synth.routing_profile). Each file is probed by the routing probe
 (numpy forward on random tokens); the trained figures are on held-out text.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 
 from mawforge.demo import ROUTING_PROFILE
-from mawforge.fixtures.routing_profile import load_profile
-from mawforge.fixtures.synth import synth
+from mawforge.synth.routing_profile import load_profile
+from mawforge.synth import synth
 
 DEMO_DIMS = dict(hidden=256, n_head=4, n_head_kv=2, head_dim=64, expert_ff=256)
 VARIANTS = {"plain": {}, "profile": {"profile": True}, "profile + stickiness 0.3": {"profile": True, "stickiness": 0.3}}

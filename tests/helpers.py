@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf import quants as gq
 
-from mawforge.formats import quants
+from mawforge.codecs import quants
 from mawforge.formats.source import Source
 from mawforge.pack.manifest import EXPERTS, ExpertIndex
 
@@ -81,7 +81,7 @@ def sample_outputs(rt, prompt, params: dict, speculative, n: int) -> tuple[dict,
 def dashboard_pack(root: Path) -> Path:
     """A tiny synthetic Qwen3-MoE pack with enough experts for the dashboard's heatmap to show
     something (8 layers x 32 experts, top-4, skewed routing); no transformers needed."""
-    from mawforge.fixtures.synth import synth
+    from mawforge.synth import synth
     from mawforge.pack.packer import pack
     out = root / "dash.pack"
     g = synth(root / "dash.gguf", 8, quant="Q8_0", vocab=2000, skew=1.0, stickiness=0.3, report=False,

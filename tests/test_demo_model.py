@@ -22,9 +22,9 @@ from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.engine.sampling import SamplingParams
 from mawforge.errors import FormatError
 from mawforge.fixtures.llama_ref import llama_logits, llama_tokenize_many
-from mawforge.fixtures.routing import routing_stats
-from mawforge.fixtures.routing_profile import load_profile, measure
-from mawforge.fixtures.synth import synth
+from mawforge.synth.routing import routing_stats
+from mawforge.synth.routing_profile import load_profile, measure
+from mawforge.synth import synth
 from mawforge.pack.manifest import read_index
 from mawforge.trace.oracle import access_sequence, uniform_sizes
 from mawforge.trace.record import load_trace
@@ -203,7 +203,7 @@ def test_routing_profiles_measure_and_reject_bad_files(tmp_path):
 
 
 def test_synth_cli_takes_a_routing_profile(tmp_path, monkeypatch):
-    import mawforge.fixtures.synth as mod
+    import mawforge.synth as mod
     parser = argparse.ArgumentParser()
     mod.add_arguments(parser)
     args = parser.parse_args(["-o", str(tmp_path / "c.gguf"), "--layers", "2", "--vocab", "1024",

@@ -25,7 +25,7 @@ from mawforge.pack.verify import verify
 @pytest.fixture(scope="module")
 def synth_gguf(tmp_path_factory):
     """A tiny qwen3moe GGUF in llama.cpp's Q4_K_M mix (no transformers needed)."""
-    from mawforge.fixtures.synth import synth
+    from mawforge.synth import synth
     out = tmp_path_factory.mktemp("harden") / "tiny.gguf"
     return synth(out, 2, vocab=1024, hidden=256, n_head=4, n_head_kv=2, head_dim=64, n_expert=8,
                  n_expert_used=2, expert_ff=256, dense_ff=512, report=False, progress=False)

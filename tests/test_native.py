@@ -12,7 +12,7 @@ from gguf import quants as gq
 
 from helpers import C_COMPILER as C_COMPILER_PATH
 from helpers import needs_avx2, needs_cc
-from mawforge.formats import quants
+from mawforge.codecs import quants
 from mawforge.kernels import cpu, native
 from bounds import (ACT_SCALE_REL, NATIVE_REORDER_ATOL_OF_MAX, NATIVE_REORDER_RTOL, Q8_ACTIVATION_REL,
                     RMS_NORM_TOL)

@@ -12,7 +12,7 @@ import torch
 
 from helpers import ARCHS, GGUF_FTYPES, pack_expert, run_cli, source_expert_f32
 from mawforge.errors import FormatError, MawError, PackExists
-from mawforge.formats import quants
+from mawforge.codecs import quants
 from mawforge.formats.source import open_source
 from mawforge.pack import packer
 from mawforge.pack.manifest import EXPERTS, read_index, read_manifest

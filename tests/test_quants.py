@@ -15,9 +15,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from mawforge.errors import FormatError, UnsupportedError
-from mawforge.formats import quants
-from mawforge.formats.quants import PartSpec
-from mawforge.kernels import cpu, dequant
+from mawforge.codecs import dequant, quants
+from mawforge.codecs.quants import PartSpec
+from mawforge.kernels import cpu
 
 QUANTIZABLE = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.MXFP4]
 # Byte offsets of the f16 scale fields of types gguf cannot quantize: random bytes with

@@ -27,7 +27,7 @@ CONTEXT, MODEL = 256, "storm"
 
 @pytest.fixture(scope="module")
 def tiny_pack(tmp_path_factory):
-    from mawforge.fixtures.synth import synth
+    from mawforge.synth import synth
     root = tmp_path_factory.mktemp("storm")
     g = synth(root / "tiny.gguf", 2, vocab=1024, hidden=256, n_head=4, n_head_kv=2, head_dim=64, n_expert=8,
               n_expert_used=2, expert_ff=256, dense_ff=512, report=False, progress=False)

@@ -13,8 +13,8 @@ from gguf.quants import dequantize
 
 from mawforge.errors import PackExists, UnsupportedError
 from mawforge.fixtures.llama_ref import llama_generate, llama_logits
-from mawforge.fixtures.routing import forward, routing_stats, zipf_inclusion
-from mawforge.fixtures.synth import add_arguments, main, synth, tokenizer, use_more_bits
+from mawforge.synth.routing import forward, routing_stats, zipf_inclusion
+from mawforge.synth import add_arguments, main, synth, tokenizer, use_more_bits
 
 TINY = dict(hidden=256, n_head=4, n_head_kv=2, head_dim=64, n_expert=16, n_expert_used=4, expert_ff=256)
 VOCAB = 2000
@@ -121,7 +121,7 @@ def test_user_errors_are_maw_errors(tmp_path, files):
 
 
 def test_cli_writes_file_and_report(tmp_path, monkeypatch):
-    import mawforge.fixtures.synth as mod
+    import mawforge.synth as mod
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["-o", str(tmp_path / "c.gguf"), "--layers", "1", "--vocab", "1024", "--skew", "0.8"])

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mawforge.archs._yarn import _gguf_yarn, _hf_yarn, yarn_mscale
-from mawforge.archs.spec import Arch, ArchArgs
+from mawforge.archs.spec import Arch, ArchArgs, nextn_names
 from mawforge.errors import FormatError
 
 
@@ -117,11 +117,7 @@ HF_NAMES = (   # MLA projections, dense first layers, shared experts, router cor
     (r"layers\.(\d+)\.mlp\.gate\.e_score_correction_bias", "blk.{0}.exp_probs_b.bias"),
     # DeepSeek-V3 MTP (nextn) layer n_layers, as llama.cpp's gguf-py names it (glm4moe's loader);
     # its embed_tokens and shared_head.head repeat the model's own and are not read
-    (r"layers\.(\d+)\.eh_proj\.weight", "blk.{0}.nextn.eh_proj.weight"),
-    (r"layers\.(\d+)\.enorm\.weight", "blk.{0}.nextn.enorm.weight"),
-    (r"layers\.(\d+)\.hnorm\.weight", "blk.{0}.nextn.hnorm.weight"),
-    (r"layers\.(\d+)\.shared_head\.norm\.weight", "blk.{0}.nextn.shared_head_norm.weight"),
-)
+) + nextn_names(r"eh_proj\.weight", r"enorm\.weight", r"hnorm\.weight", r"shared_head\.norm\.weight")
 
 # MLA up-projections, used per head (absorbed)
 DENSE = ("attn_kv_b.weight", "attn_k_b.weight", "attn_v_b.weight")
@@ -226,13 +222,6 @@ def model() -> type:
             return swiglu_mlp(self.w, p, "_shexp", h) if self.w.has(p + "ffn_gate_shexp.weight") else None
 
         # ---- multi-token prediction ---------------------------------------------------------
-        def _forward(self, tokens: torch.Tensor, pos0: int, kv, all_logits: bool) -> torch.Tensor:
-            if self.mtp is None:
-                return super()._forward(tokens, pos0, kv, all_logits)
-            h = self.hidden(tokens, pos0, kv)
-            self.keep_hidden(pos0, h)
-            return linear(h if all_logits else h[-1:], self.w.head()).float()          # [T, V]
-
         def mtp_cache(self, context: int, dtype: torch.dtype = torch.float32) -> KVCache:
             """The MTP layer's own compressed KV cache (its layer index is n_layers)."""
             c, m = self.cfg, self.mla

@@ -22,7 +22,6 @@ from mawforge.errors import FormatError, UnsupportedError
 
 @dataclass(frozen=True)
 class Args(ArchArgs):
-    layer_types: tuple = ()                 # "sliding" or "full" per layer
     sliding_window: int = 0
     full: dict | None = None                # global layers: kv_heads, head_dim, rope_base, rope_pairs, k_eq_v
     final_logit_softcapping: float | None = None
@@ -126,7 +125,7 @@ def model() -> type:
         def __init__(self, cfg, weights, experts, device):
             super().__init__(cfg, weights, experts, device)
             x = cfg.args
-            self.full = [t == "full" for t in x.layer_types]
+            self.full = x.full_layers()         # else sliding-window
             self.window = int(x.sliding_window)
             g = x.full
             self.shape = {False: (cfg.n_kv_heads, cfg.head_dim), True: (g["kv_heads"], g["head_dim"])}
@@ -138,9 +137,6 @@ def model() -> type:
             if weights.has("rope_freqs.weight"):      # GGUF: per-pair divisors, huge where HF has 0
                 inv_f = inv_f / weights.dense("rope_freqs.weight").reshape(-1).cpu()
             self.inv_freq = {False: inv_s.to(device), True: inv_f.to(device)}
-
-        def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-            return rms_norm(x, self.w.dense(name), self.cfg.norm_eps)
 
         def attention(self, layer: int, x: torch.Tensor, pos: torch.Tensor, kv) -> torch.Tensor:
             T, p, full = x.shape[0], f"blk.{layer}.", self.full[layer]
@@ -174,19 +170,20 @@ def model() -> type:
                 y = self.norm(y, p + "post_ffw_norm_1.weight") + self.norm(moe, p + "post_ffw_norm_2.weight")
             return self.norm(y, p + "post_ffw_norm.weight")
 
-        def _forward(self, tokens: torch.Tensor, pos0: int, kv, all_logits: bool = False) -> torch.Tensor:
-            pos = torch.arange(pos0, pos0 + tokens.shape[0], device=self.device)
-            h = self.w.embed(tokens) * torch.tensor(self.cfg.hidden ** 0.5)              # [T, C]
-            for layer in range(self.cfg.n_layers):
-                p = f"blk.{layer}."
-                a = self.attention(layer, self.norm(h, p + "attn_norm.weight"), pos, kv)
-                h = h + self.norm(a, p + "post_attention_norm.weight")
-                if self.router_hook is not None:
-                    self.router_hook(layer, h)
-                h = h + self.ffn(layer, h)
-                if self.w.has(p + "layer_output_scale.weight"):
-                    h = h * self.w.dense(p + "layer_output_scale.weight")
-            h = self.norm(h if all_logits else h[-1:], "output_norm.weight")
+        def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.w.embed(tokens) * torch.tensor(self.cfg.hidden ** 0.5)          # [T, C]
+
+        def mixer_out(self, layer: int, a: torch.Tensor) -> torch.Tensor:
+            return self.norm(a, f"blk.{layer}.post_attention_norm.weight")
+
+        def ffn_input(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+            return h                     # the FFN and the router normalize the residual stream themselves
+
+        def layer_out(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+            p = f"blk.{layer}.layer_output_scale.weight"
+            return h * self.w.dense(p) if self.w.has(p) else h
+
+        def logits(self, h: torch.Tensor) -> torch.Tensor:
             logits = linear(h, self.w.head()).float()                                    # [T, V]
             if self.softcap:
                 logits = torch.tanh(logits / self.softcap) * self.softcap

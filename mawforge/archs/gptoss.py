@@ -33,7 +33,6 @@ from mawforge.errors import FormatError
 
 @dataclass(frozen=True)
 class Args(ArchArgs):
-    layer_types: tuple = ()         # "sliding" or "full" per layer
     sliding_window: int = 0
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
@@ -96,7 +95,7 @@ def required(cfg, layer: int) -> tuple:
 def model() -> type:
     import torch
 
-    from mawforge.formats import quants
+    from mawforge.codecs import quants
     from mawforge.kernels import linear
     from mawforge.models.base import MoETransformer, Rope
 

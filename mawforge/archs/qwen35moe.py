@@ -15,13 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mawforge.archs.spec import Arch, ArchArgs
+from mawforge.archs.spec import Arch, ArchArgs, nextn_names
 from mawforge.errors import FormatError
 
 
 @dataclass(frozen=True)
 class Args(ArchArgs):
-    layer_types: tuple = ()      # "full" (gated attention) or "linear" (delta-net) per layer
     rope_dim: int = 0            # RoPE rotates the first rope_dim dims of a head
     linear: dict | None = None   # delta-net heads and dims: k_heads, v_heads, k_dim, v_dim, conv, v_order
     norm_offset: float = 0.0     # 1.0: HF zero-centred norms (x * (1 + w)); 0.0: GGUF stores 1 + w
@@ -82,19 +81,15 @@ HF_NAMES = (
     (r"layers\.(\d+)\.linear_attn\.A_log", "blk.{0}.ssm_a_log"),   # llama.cpp stores -exp(A_log) as ssm_a
     (r"layers\.(\d+)\.linear_attn\.norm\.weight", "blk.{0}.ssm_norm.weight"),
     (r"layers\.(\d+)\.linear_attn\.out_proj\.weight", "blk.{0}.ssm_out.weight"),
-    # MTP block (after mtp_names() moved it to layer n_layers)
-    (r"layers\.(\d+)\.fc\.weight", "blk.{0}.nextn.eh_proj.weight"),
-    (r"layers\.(\d+)\.pre_fc_norm_embedding\.weight", "blk.{0}.nextn.enorm.weight"),
-    (r"layers\.(\d+)\.pre_fc_norm_hidden\.weight", "blk.{0}.nextn.hnorm.weight"),
-    (r"layers\.(\d+)\.mtp_norm\.weight", "blk.{0}.nextn.shared_head_norm.weight"),
-)
+) + nextn_names(r"fc\.weight", r"pre_fc_norm_embedding\.weight", r"pre_fc_norm_hidden\.weight",   # MTP block, moved
+                 r"mtp_norm\.weight")                                                           # to layer n_layers
 
 # delta-net vectors kept float32
 DENSE = ("ssm_a", "ssm_a_log", "ssm_conv1d.weight")
 
 
 def required(cfg, layer: int) -> tuple:
-    full = cfg.args.layer_types[layer] == "full" if cfg.args.layer_types else True
+    full = cfg.args.full_layers()[layer] if cfg.args.layer_types else True
     attn = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_q_norm.weight",
             "attn_k_norm.weight") if full else ("attn_qkv.weight", "ssm_out.weight")
     return ("attn_norm.weight", "post_attention_norm.weight", "ffn_gate_inp.weight") + attn
@@ -110,14 +105,16 @@ def model() -> type:
     from mawforge.models.mtp import MtpMixin
 
     class Qwen35Moe(MtpMixin, MoETransformer):
+        ffn_norm_name = "post_attention_norm.weight"
+
         def __init__(self, cfg, weights, experts, device):
             super().__init__(cfg, weights, experts, device)
             x = cfg.args
-            self.full = [t == "full" for t in x.layer_types]
+            self.full = x.full_layers()        # else a delta-net layer
             self.offset = float(x.norm_offset)
             rd = x.rope_dim
             self.inv_freq = (1.0 / cfg.rope_base ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd)).to(device)
-            self.mixer = DeltaNetMixer(weights, x.linear, cfg.norm_eps)
+            self.mixer_linear = DeltaNetMixer(weights, x.linear, cfg.norm_eps)
             self._norms: dict[str, torch.Tensor] = {}
 
         def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -146,29 +143,10 @@ def model() -> type:
             out = attend(q, keys, vals, D ** -0.5) * torch.sigmoid(gate)               # [T, H*D]
             return linear(out, self.w.packed(p + "attn_output.weight")).float()
 
-        def layer(self, layer: int, h: torch.Tensor, pos: torch.Tensor, kv) -> torch.Tensor:
-            p = f"blk.{layer}."
-            x = self.norm(h, p + "attn_norm.weight")
-            mix = (self.attention(layer, x, pos, kv) if self.full[layer]
-                   else self.mixer(layer, x, kv.layer_state(layer), kv.recorder(layer)))
-            h = h + mix
-            x = self.norm(h, p + "post_attention_norm.weight")
-            if self.router_hook is not None:
-                self.router_hook(layer, x)
-            return h + self.ffn(layer, x)
-
-        def hidden(self, tokens: torch.Tensor, pos0: int, kv) -> torch.Tensor:
-            """tokens [T] -> final-normed hidden states [T, C] (the LM head's and the MTP's input)."""
-            pos = torch.arange(pos0, pos0 + tokens.shape[0], device=self.device)
-            h = self.w.embed(tokens)
-            for layer in range(self.cfg.n_layers):
-                h = self.layer(layer, h, pos, kv)
-            return self.norm(h, "output_norm.weight")
-
-        def _forward(self, tokens: torch.Tensor, pos0: int, kv, all_logits: bool = False) -> torch.Tensor:
-            h = self.hidden(tokens, pos0, kv)
-            self.keep_hidden(pos0, h)
-            return linear(h if all_logits else h[-1:], self.w.head()).float()          # [T, V]
+        def mixer(self, layer: int, x: torch.Tensor, pos: torch.Tensor, kv) -> torch.Tensor:
+            if self.full[layer]:
+                return self.attention(layer, x, pos, kv)
+            return self.mixer_linear(layer, x, kv.layer_state(layer), kv.recorder(layer))
 
         # ---- multi-token prediction ---------------------------------------------------------
         def mtp_cache(self, context: int, dtype: torch.dtype = torch.float32) -> KVCache:

@@ -21,8 +21,15 @@ from mawforge.errors import FormatError
 @dataclass(frozen=True)
 class ArchArgs:
     """Typed family settings. A subclass lists its fields; `from_extra` reads them from a
-    ModelConfig's `extra` (the manifest's JSON), `kv_layers` is shared by every family."""
+    ModelConfig's `extra` (the manifest's JSON). Shared: `kv_layers` (what each layer keeps
+    between steps, read by the planner and models/kv.py) and `layer_types` (per layer, e.g.
+    "full", "sliding", "linear"; empty when every layer is alike)."""
     kv_layers: tuple = ()
+    layer_types: tuple = ()
+
+    def full_layers(self) -> list[bool]:
+        """Per layer: does it run full (global) attention?"""
+        return [t == "full" for t in self.layer_types]
 
     @classmethod
     def from_extra(cls, extra: dict) -> "ArchArgs":
@@ -36,6 +43,13 @@ class ArchArgs:
 def _frozen(v: Any) -> Any:
     """JSON lists become tuples so that Args stay hashable and cannot be edited in place."""
     return tuple(_frozen(x) for x in v) if isinstance(v, list) else v
+
+
+def nextn_names(eh_proj: str, enorm: str, hnorm: str, head_norm: str) -> tuple:
+    """HF names (regex tails after layers.N.) of an MTP block stored as layer n_layers ->
+    llama.cpp's blk.N.nextn.* names."""
+    canon = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head_norm.weight")
+    return tuple((r"layers\.(\d+)\." + hf, "blk.{0}.nextn." + c) for hf, c in zip((eh_proj, enorm, hnorm, head_norm), canon))
 
 
 def no_settings(cfg: dict) -> dict:

@@ -1,8 +1,9 @@
 """The live expert cache: slot storage mirroring the torch-free CacheCore's decisions.
 
 Every hit/miss/evict decision is made by `RouteDriver`/`CacheCore` (shared with replay);
-this class only frees the storage of evicted blocks, reads misses from the ExpertStore into
-page-aligned slots, and computes each expert on its tokens. Slots are recycled by size class
+this class only frees the storage of evicted blocks and reads misses from the ExpertStore into
+page-aligned slots. It does not compute: the model's MoE block (models/moe.py) asks `resident`
+for each group's blocks and computes them. Slots are recycled by size class
 (blocks differ in size by layer), and the bytes held never exceed the budget.
 
 Legend: T tokens, C hidden, k experts per token.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -19,9 +21,7 @@ from gguf import GGMLQuantizationType as QT
 from mawforge.cache.core import CacheCore, RouteDriver, check_capacity
 from mawforge.cache.policies import make_policy, make_prefetcher
 from mawforge.cache.store import ExpertStore, aligned_buffer, round_page
-from mawforge.formats import quants
-from mawforge.kernels import cpu as kernels, native
-from mawforge.models.base import plain_swiglu, swiglu_expert
+from mawforge.codecs import quants
 from mawforge.pack.manifest import ExpertIndex
 
 Key = tuple[int, int]
@@ -142,14 +142,13 @@ class ExpertCache:
         if plan.loads:
             self._load(plan.loads, asynchronous=True)
 
-    # ---- the call the model makes ----------------------------------------------------
-    def __call__(self, layer: int, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [T, C], idx/w [T, k] -> [T, C]: the weighted sum of each token's routed experts."""
-        idx_np = idx.cpu().numpy()
-        w_np = w.float().cpu().numpy()
+    # ---- what the model's MoE block asks (models/moe.py computes) --------------------
+    def resident(self, layer: int, idx_np: np.ndarray, w_np: np.ndarray) -> Iterator[list[Key]]:
+        """Per group of this layer's routed experts (idx/w [T, k]): evict, read the misses, then
+        yield the group's keys, whose blocks `weights(key)` returns. After the last group the
+        layer's prefetch runs (the consumer must exhaust the generator)."""
         if self.recorder is not None:
             self.recorder.record(layer, idx_np, w_np)
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         for group in self.driver.layer(layer, idx_np, w_np):
             if self.driver.kind == "prefill":
                 self.prefill_keys.update(group.keys)
@@ -157,55 +156,12 @@ class ExpertCache:
                 self._release(key)
             if group.misses:
                 self._load(group.misses)
-            if self._fused(x, group.keys, idx_np, w_np, out):
-                continue
-            if x.shape[0] == 1:      # decode: no gather/scatter, one weighted sum
-                for key in group.keys:
-                    j = int(np.flatnonzero(idx_np[0] == key[1])[0])
-                    out += swiglu_expert(x, self._ready(key).weights) * w_np[0, j]
-                continue
-            for key in group.keys:
-                tok, slot_k = np.nonzero(idx_np == key[1])
-                t = torch.from_numpy(tok).to(x.device)
-                y = swiglu_expert(x.index_select(0, t), self._ready(key).weights)      # [n, C]
-                y = y * w.index_select(0, t).gather(1, torch.from_numpy(slot_k).to(x.device)[:, None]).float()
-                out.index_add_(0, t, y)
+            yield list(group.keys)
         self._run_prefetch(self.driver.after_layer(layer))
-        return out
 
-    def _fused(self, x: torch.Tensor, keys, idx_np: np.ndarray, w_np: np.ndarray, out: torch.Tensor) -> bool:
-        """All of a group's experts in one native call (decode, verify, small prefill chunks),
-        where the blocks are GGUF types the native kernels take and the model's experts are
-        plain SwiGLU. Returns False (nothing done) otherwise."""
-        if not keys or not plain_swiglu():
-            return False
-        slots = [self._ready(key) for key in keys]
-        parts = slots[0].weights
-        types = kernels.native_swiglu_types(parts, x.shape[0])
-        if types is None:
-            return False
-        fused = "gate_up" in parts
-        f = parts["down"].shape[1]
-        batch = native.ExpertBatch(types, f, x.shape[1])
-        for slot in slots:
-            p = slot.weights
-            if fused:
-                g = p["gate_up"].parts["blocks"]
-                batch.add(g.data_ptr(), g[f:].data_ptr(), p["down"].parts["blocks"].data_ptr())
-            else:
-                batch.add(p["gate"].parts["blocks"].data_ptr(), p["up"].parts["blocks"].data_ptr(),
-                          p["down"].parts["blocks"].data_ptr())
-        if x.shape[0] == 1:      # decode: one pair per expert
-            slot_of = {int(e): j for j, e in enumerate(idx_np[0])}
-            wt = np.array([w_np[0, slot_of[e]] for _, e in keys], dtype=np.float32)
-            pairs = (np.arange(len(keys) + 1, dtype=np.int32), np.zeros(len(keys), np.int32), wt)
-            native.moe_ffn(x, batch, None, out, pairs)
-            return True
-        experts = np.array([e for _, e in keys])
-        hit = idx_np[None, :, :] == experts[:, None, None]                     # [E, T, k]
-        wts = (hit * w_np[None]).sum(-1, dtype=np.float32)                     # [E, T]
-        native.moe_ffn(x, batch, wts, out)
-        return True
+    def weights(self, key: Key) -> dict[str, quants.PackedWeight]:
+        """The resident block's tensors (kind -> PackedWeight), once its read has arrived."""
+        return self._ready(key).weights
 
     def preload(self) -> int:
         """Fill the cache with blocks in (layer, expert) order until it is full (a warm start,

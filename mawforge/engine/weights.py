@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as QT
 from mawforge.byte_rules import is_dense
 from mawforge.cache.store import aligned_buffer
 from mawforge.errors import IntegrityError
-from mawforge.formats import quants
+from mawforge.codecs import quants
 from mawforge.formats.source import row_bytes
 from mawforge.kernels import embedding_rows
 from mawforge.pack.manifest import COMMON, Manifest, TensorRecord, digest
@@ -86,6 +86,10 @@ class CommonWeights:
 
     def maybe_dense(self, name: str) -> torch.Tensor | None:
         return self._dense.get(name)
+
+    def bind(self, name: str) -> torch.Tensor | quants.PackedWeight:
+        """The tensor a model block computes with: its float32 copy if kept dense, else packed."""
+        return self._dense.get(name) if is_dense(name) else self._packed[name]
 
     def head(self) -> quants.PackedWeight:
         return self._packed.get(OUTPUT) or self._packed[EMBEDDING]

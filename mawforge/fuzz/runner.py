@@ -32,7 +32,7 @@ def build_seeds(root: Path, archs: tuple[str, ...] = ("qwen3_moe",)) -> dict[str
     GGUF (llama.cpp's Q4_K_M quant mix, no transformers needed) and, per fixture arch, a
     Q4_K_M GGUF and the HF directory in both expert layouts; packs of the GGUFs and of the
     first HF layout."""
-    from mawforge.fixtures.synth import synth
+    from mawforge.synth import synth
     from mawforge.pack.packer import pack
     root.mkdir(parents=True, exist_ok=True)
     tiny = root / "synth-tiny.gguf"

@@ -1,9 +1,3 @@
-"""Matmul kernels on packed weights (cpu.py: linear, embedding_rows) and torch dequantizers
-(dequant.py). Names load lazily so that formats.quants can import dequant without a cycle."""
-
-
-def __getattr__(name: str):
-    if name in ("linear", "embedding_rows"):
-        from mawforge.kernels import cpu
-        return getattr(cpu, name)
-    raise AttributeError(name)
+"""Matmul kernels on packed weights (cpu.py: linear, embedding_rows; native/: the C kernels).
+They compute on the views the quant codecs (mawforge/codecs/) make."""
+from mawforge.kernels.cpu import embedding_rows, linear  # noqa: F401

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
-from mawforge.formats import quants
-from mawforge.formats.quants import PackedWeight
-from mawforge.kernels import dequant, native
+from mawforge.codecs import dequant, quants
+from mawforge.codecs.quants import PackedWeight
+from mawforge.kernels import native
 
 # Elements of one dequantized tile (4 MiB as float32): smaller tiles lose more to per-op
 # overhead than they win in cache locality (measured on Q5_K/Q6_K/Q8_0 768x2048).

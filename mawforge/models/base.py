@@ -7,14 +7,16 @@ S cached positions, E experts, k experts per token, V vocab.
 from __future__ import annotations
 
 import math
-from contextvars import ContextVar
 from typing import Callable, ClassVar
 
 import numpy as np
 import torch
 
+from mawforge.archs import get
 from mawforge.formats.config import ModelConfig
+from mawforge.formats.required import check_required
 from mawforge.kernels import linear, native
+from mawforge.models.moe import MoEBlock
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -142,21 +144,36 @@ def route_softmax_topk(logits: torch.Tensor, k: int, renorm: bool) -> tuple[torc
 
 
 class MoETransformer:
-    """The decoder loop. An architecture file's model() subclasses it and overrides the hooks
-    that differ: qk normalization, routing, and what runs beside the routed experts."""
+    """The one decoder loop. An architecture file's model() subclasses it and overrides the
+    per-layer blocks that differ (mixer, ffn, norms, routing, what runs beside the routed
+    experts), never the loop itself:
+
+        h = embed(tokens)
+        per layer:  h = layer_out(h + mixer_out(mixer(norm(h, attn_norm))))
+                    x = ffn_input(h);  h = layer_out(h + ffn(x))
+        logits(norm(h, output_norm))
+    """
 
     ffn_norm_name: ClassVar[str] = "ffn_norm.weight"
-    # What one routed expert computes on its block (None: swiglu_expert's SwiGLU). The cache
-    # calls swiglu_expert; forward() makes this model's function current for that call.
+    # What one routed expert computes on its block (None: SwiGLU, models/moe.py swiglu_expert,
+    # which the native kernel may fuse). An instance may set its own (gpt-oss binds its limits).
     expert_fn: ClassVar[Callable | None] = None
 
     def __init__(self, cfg: ModelConfig, weights, experts, device: torch.device):
-        self.cfg, self.w, self.experts, self.device = cfg, weights, experts, device
+        self.cfg, self.w, self.device = cfg, weights, device
+        self.experts = MoEBlock(experts, lambda: self.expert_fn)
         self.rope = Rope(cfg.head_dim, cfg.rope_base, cfg.rope_layout, device)
         self.scale = cfg.head_dim ** -0.5
         self.router_hook = None    # set by the runtime for next-layer lookahead prefetch
+        self.layers = bind_layers(cfg, weights)
 
     # ---- hooks -------------------------------------------------------------------------
+    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return rms_norm(x, self.w.dense(name), self.cfg.norm_eps)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.w.embed(tokens)                                               # [T, C] f32
+
     def qk_norm(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k
 
@@ -166,6 +183,29 @@ class MoETransformer:
 
     def beside_experts(self, layer: int, h: torch.Tensor) -> torch.Tensor | None:
         return None
+
+    def mixer(self, layer: int, x: torch.Tensor, pos: torch.Tensor, kv) -> torch.Tensor:
+        """What mixes tokens in this layer: attention, unless an architecture says otherwise."""
+        return self.attention(layer, x, pos, kv)
+
+    def mixer_out(self, layer: int, a: torch.Tensor) -> torch.Tensor:
+        return a
+
+    def ffn_input(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h, f"blk.{layer}.{self.ffn_norm_name}")
+
+    def layer_out(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return linear(h, self.w.head()).float()                                   # [T, V]
+
+    def keeps_hidden(self) -> bool:
+        """True when every position's final hidden state is needed (MTP drafting reads them)."""
+        return False
+
+    def keep_hidden(self, pos0: int, h: torch.Tensor) -> None:
+        pass
 
     # ---- blocks ------------------------------------------------------------------------
     def proj(self, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -193,51 +233,33 @@ class MoETransformer:
         extra = self.beside_experts(layer, x)
         return y if extra is None else y + extra
 
+    # ---- the loop ----------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, pos0: int, kv, all_logits: bool = False) -> torch.Tensor:
         """tokens [T] -> logits [T, V] (or [1, V] for the last position)."""
-        token = _EXPERT_FN.set(self.expert_fn)
-        try:
-            return self._forward(tokens, pos0, kv, all_logits)
-        finally:
-            _EXPERT_FN.reset(token)
-
-    def _forward(self, tokens: torch.Tensor, pos0: int, kv, all_logits: bool) -> torch.Tensor:
-        h = self.hidden(tokens, pos0, kv, last_only=not all_logits)
-        return linear(h, self.w.head()).float()                                   # [T, V]
+        keep = self.keeps_hidden()
+        h = self.hidden(tokens, pos0, kv, last_only=not (all_logits or keep))
+        if keep:
+            self.keep_hidden(pos0, h)
+        return self.logits(h if all_logits else h[-1:])
 
     def hidden(self, tokens: torch.Tensor, pos0: int, kv, last_only: bool = False) -> torch.Tensor:
-        """The decoder loop: tokens [T] -> final-normed hidden states [T, C] (the LM head's and
-        an MTP layer's input), or only the last row's [1, C]."""
-        cfg = self.cfg
+        """tokens [T] -> final-normed hidden states [T, C] (the LM head's and an MTP layer's
+        input), or only the last row's [1, C]."""
         pos = torch.arange(pos0, pos0 + tokens.shape[0], device=self.device)
-        h = self.w.embed(tokens)                                                  # [T, C] f32
-        for layer in range(cfg.n_layers):
-            p = f"blk.{layer}."
-            h = h + self.attention(layer, rms_norm(h, self.w.dense(p + "attn_norm.weight"), cfg.norm_eps), pos, kv)
-            x = rms_norm(h, self.w.dense(p + self.ffn_norm_name), cfg.norm_eps)
+        h = self.embed(tokens)                                                    # [T, C]
+        for layer in range(self.cfg.n_layers):
+            a = self.mixer(layer, self.norm(h, f"blk.{layer}.attn_norm.weight"), pos, kv)
+            h = h + self.mixer_out(layer, a)
+            x = self.ffn_input(layer, h)
             if self.router_hook is not None:
                 self.router_hook(layer, x)
-            h = h + self.ffn(layer, x)
-        return rms_norm(h[-1:] if last_only else h, self.w.dense("output_norm.weight"), cfg.norm_eps)
+            h = self.layer_out(layer, h + self.ffn(layer, x))
+        return self.norm(h[-1:] if last_only else h, "output_norm.weight")
 
 
-_EXPERT_FN: ContextVar[Callable | None] = ContextVar("expert_fn", default=None)
-
-
-def plain_swiglu() -> bool:
-    """True while the running model's experts are the plain SwiGLU of swiglu_expert (no
-    model-specific expert_fn), so a fused kernel may compute them."""
-    return _EXPERT_FN.get() is None
-
-
-def swiglu_expert(x: torch.Tensor, parts: dict) -> torch.Tensor:
-    """One expert on its tokens. parts: kind -> PackedWeight (gate, up, down or gate_up, down)."""
-    fn = _EXPERT_FN.get()
-    if fn is not None:
-        return fn(x, parts)
-    if "gate_up" in parts:
-        gu = linear(x, parts["gate_up"])
-        g, u = gu.chunk(2, dim=-1)
-    else:
-        g, u = linear(x, parts["gate"]), linear(x, parts["up"])
-    return linear(torch.nn.functional.silu(g.float()) * u.float(), parts["down"]).float()
+def bind_layers(cfg: ModelConfig, weights) -> list[dict]:
+    """Each layer's required tensors (the architecture file's `required`), resolved once at
+    load: a missing or mis-ranked tensor fails here, naming it, instead of mid-decode."""
+    check_required(cfg, weights.records)
+    need = get(cfg.arch).required
+    return [{s: weights.bind(f"blk.{layer}.{s}") for s in need(cfg, layer)} for layer in range(cfg.n_layers)]

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from mawforge.models.kv import KVCache
-from mawforge.formats import quants
-from mawforge.models.base import swiglu_expert
+from mawforge.codecs import quants
+from mawforge.models.moe import swiglu_expert
 
 _ROW_CODECS = ("ggml", "f32", "f16", "bf16")     # parts are row-major [rows, ...]: an expert is a row slice
 
@@ -94,7 +94,8 @@ class MtpState:
 
 class MtpMixin:
     """has_mtp / enable_mtp / mtp_propose for a model class that defines `mtp_cache(context, dtype)`
-    and `mtp_step(hidden, tokens, pos0, kv)`, and calls `keep_hidden(pos0, h)` in its forward."""
+    and `mtp_step(hidden, tokens, pos0, kv)`; the base loop calls `keep_hidden(pos0, h)` while
+    `keeps_hidden()`."""
 
     mtp: MtpState | None = None
 
@@ -109,6 +110,9 @@ class MtpMixin:
 
     def disable_mtp(self) -> None:
         self.mtp = None
+
+    def keeps_hidden(self) -> bool:
+        return self.mtp is not None
 
     def keep_hidden(self, pos0: int, h: torch.Tensor) -> None:
         if self.mtp is not None:

@@ -25,7 +25,7 @@ import xxhash
 
 from mawforge import __version__
 from mawforge.errors import FormatError, MawError, PackExists
-from mawforge.formats import quants
+from mawforge.codecs import quants
 from mawforge.formats.source import ExpertTensor, Source, TensorInfo, open_source
 from mawforge.pack.directio import _ZEROS, Reader, Writer
 from mawforge.pack.manifest import (COMMON, EXPERTS, INDEX, MANIFEST, ExpertIndex, LayerBlocks,

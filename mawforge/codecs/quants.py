@@ -33,7 +33,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from mawforge.errors import FormatError, UnsupportedError
-from mawforge.kernels import dequant
+from mawforge.codecs import dequant
 
 TORCH_DTYPES = {
     "uint8": torch.uint8, "int8": torch.int8, "int32": torch.int32,

@@ -1,0 +1,91 @@
+"""The MoE block: routed experts computed on the blocks the expert cache holds.
+
+The cache decides and accounts (hits, misses, evictions, prefetch, bytes); it yields, per group
+of a layer's routed experts, the keys whose blocks are resident, and this block computes them.
+What one expert computes is the model's `expert_fn` (None: SwiGLU); with plain SwiGLU over GGUF
+blocks the native kernel computes a whole group in one call.
+
+Legend: T tokens, C hidden, k experts per token, n tokens routed to one expert.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from mawforge.kernels import cpu as kernels, linear, native
+
+
+def swiglu_expert(x: torch.Tensor, parts: dict) -> torch.Tensor:
+    """One expert on its tokens. parts: kind -> PackedWeight (gate, up, down or gate_up, down)."""
+    if "gate_up" in parts:
+        gu = linear(x, parts["gate_up"])
+        g, u = gu.chunk(2, dim=-1)
+    else:
+        g, u = linear(x, parts["gate"]), linear(x, parts["up"])
+    return linear(torch.nn.functional.silu(g.float()) * u.float(), parts["down"]).float()
+
+
+class MoEBlock:
+    """`experts(layer, x, idx, w)` for a model: x [T, C], idx/w [T, k] -> [T, C], the weighted
+    sum of each token's routed experts. `expert_fn()` gives the model's per-expert function."""
+
+    def __init__(self, cache, expert_fn: Callable[[], Callable | None]):
+        self.cache, self.expert_fn = cache, expert_fn
+
+    def __call__(self, layer: int, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        fn = self.expert_fn()
+        plain = fn is None
+        fn = fn or swiglu_expert
+        idx_np = idx.cpu().numpy()
+        w_np = w.float().cpu().numpy()
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        for keys in self.cache.resident(layer, idx_np, w_np):
+            if plain and self._fused(x, keys, idx_np, w_np, out):
+                continue
+            if x.shape[0] == 1:      # decode: no gather/scatter, one weighted sum
+                for key in keys:
+                    j = int(np.flatnonzero(idx_np[0] == key[1])[0])
+                    out += fn(x, self.cache.weights(key)) * w_np[0, j]
+                continue
+            for key in keys:
+                tok, slot_k = np.nonzero(idx_np == key[1])
+                t = torch.from_numpy(tok).to(x.device)
+                y = fn(x.index_select(0, t), self.cache.weights(key))                 # [n, C]
+                y = y * w.index_select(0, t).gather(1, torch.from_numpy(slot_k).to(x.device)[:, None]).float()
+                out.index_add_(0, t, y)
+        return out
+
+    def _fused(self, x: torch.Tensor, keys, idx_np: np.ndarray, w_np: np.ndarray, out: torch.Tensor) -> bool:
+        """All of a group's experts in one native call (decode, verify, small prefill chunks),
+        where the blocks are GGUF types the native kernels take. Returns False (nothing done)
+        otherwise."""
+        if not keys:
+            return False
+        blocks = [self.cache.weights(key) for key in keys]
+        parts = blocks[0]
+        types = kernels.native_swiglu_types(parts, x.shape[0])
+        if types is None:
+            return False
+        fused = "gate_up" in parts
+        f = parts["down"].shape[1]
+        batch = native.ExpertBatch(types, f, x.shape[1])
+        for p in blocks:
+            if fused:
+                g = p["gate_up"].parts["blocks"]
+                batch.add(g.data_ptr(), g[f:].data_ptr(), p["down"].parts["blocks"].data_ptr())
+            else:
+                batch.add(p["gate"].parts["blocks"].data_ptr(), p["up"].parts["blocks"].data_ptr(),
+                          p["down"].parts["blocks"].data_ptr())
+        if x.shape[0] == 1:      # decode: one pair per expert
+            slot_of = {int(e): j for j, e in enumerate(idx_np[0])}
+            wt = np.array([w_np[0, slot_of[e]] for _, e in keys], dtype=np.float32)
+            pairs = (np.arange(len(keys) + 1, dtype=np.int32), np.zeros(len(keys), np.int32), wt)
+            native.moe_ffn(x, batch, None, out, pairs)
+            return True
+        experts = np.array([e for _, e in keys])
+        hit = idx_np[None, :, :] == experts[:, None, None]                     # [E, T, k]
+        wts = (hit * w_np[None]).sum(-1, dtype=np.float32)                     # [E, T]
+        native.moe_ffn(x, batch, wts, out)
+        return True

@@ -1,0 +1,144 @@
+"""Random but valid GGUF block payloads per ggml type, and the quant mixes llama-quantize would
+pick per tensor role: what `mawforge synth` writes its quantized tensors with."""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+
+# ---------------------------------------------------------------- block payloads
+
+class Blocks:
+    """Random but valid payloads of one ggml type with a chosen std and an optional
+    per-column mean (constant over each 32-column group): encode -> uint8 [rows, row_bytes]."""
+    formats: ClassVar[dict[Q, "Blocks"]] = {}
+    qtype: ClassVar[Q]
+
+    def __init_subclass__(cls, qtype: Q, **kw):
+        super().__init_subclass__(**kw)
+        cls.qtype = qtype
+        Blocks.formats[qtype] = cls()
+
+    def encode(self, rng: np.random.Generator, rows: int, cols: int, std: float, mean: np.ndarray | None = None) -> np.ndarray:
+        raise NotImplementedError
+
+    @staticmethod
+    def f16(x: float, n: int) -> np.ndarray:
+        return np.full((n, 1), x, np.float16).view(np.uint8)  # [n, 2]
+
+
+def _bytes(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.integers(0, 256, size=shape, dtype=np.uint8)  # ~6x faster than Generator.bytes
+
+
+def _group_means(mean: np.ndarray, rows: int, per_block: int) -> np.ndarray:
+    return np.tile(mean.reshape(-1, 32)[:, 0].reshape(-1, per_block), (rows, 1))  # [blocks, per_block]
+
+
+class _F32(Blocks, qtype=Q.F32):
+    def encode(self, rng, rows, cols, std, mean=None):
+        x = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std)
+        return (x if mean is None else x + mean.astype(np.float32)).view(np.uint8)
+
+
+class _F16(Blocks, qtype=Q.F16):
+    def encode(self, rng, rows, cols, std, mean=None):
+        return _F32.encode(self, rng, rows, cols, std, mean).view(np.float32).astype(np.float16).view(np.uint8)
+
+
+class _Q8_0(Blocks, qtype=Q.Q8_0):  # f16 d, 32 x int8
+    def encode(self, rng, rows, cols, std, mean=None):
+        nb = rows * cols // 32
+        q = _bytes(rng, nb, 32).view(np.int8)
+        if mean is None:
+            d = std / 73.9  # std of uniform int8
+        else:  # narrower codes leave room to shift each block by its mean
+            d = std / 36.95
+            shift = np.clip(np.rint(_group_means(mean, rows, 1) / d), -63, 63).astype(np.int16)
+            q = ((q.view(np.uint8) & 0x7F).astype(np.int16) - 64 + shift).astype(np.int8)
+        return np.hstack([self.f16(d, nb), q.view(np.uint8)]).reshape(rows, -1)
+
+
+class _Q4_0(Blocks, qtype=Q.Q4_0):  # f16 d, 16 bytes of nibbles; w = d * (q - 8)
+    def encode(self, rng, rows, cols, std, mean=None):
+        nb = rows * cols // 32
+        qs = _bytes(rng, nb, 16)
+        if mean is None:
+            d = std / 4.61
+        else:
+            d = std / 2.29  # 3-bit codes around 8, shifted by the block mean
+            shift = np.clip(np.rint(_group_means(mean, rows, 1) / d), -4, 4).astype(np.int16) + 8
+            lo, hi = (qs & 7).astype(np.int16) - 4 + shift, ((qs >> 4) & 7).astype(np.int16) - 4 + shift
+            qs = (np.clip(lo, 0, 15) | (np.clip(hi, 0, 15) << 4)).astype(np.uint8)
+        return np.hstack([self.f16(d, nb), qs]).reshape(rows, -1)
+
+
+class _Q4_K(Blocks, qtype=Q.Q4_K):
+    """f16 d, f16 dmin, 12 bytes of 6-bit (scale, min) pairs, 128 bytes of nibbles.
+    w = d*sc*q - dmin*m; with dmin = 7.5 d and m = sc every sub-block has mean 0, and
+    m = sc - delta moves a sub-block's mean to 7.5 d delta for every row alike."""
+
+    def encode(self, rng, rows, cols, std, mean=None):
+        nb = rows * cols // 256
+        sc = rng.integers(24, 41, size=(nb, 8), dtype=np.int16)
+        d = std / (4.61 * 32)
+        m = sc if mean is None else np.clip(sc - np.rint(_group_means(mean, rows, 8) / (7.5 * d)).astype(np.int16), 0, 63)
+        s = np.empty((nb, 12), np.uint8)
+        s[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+        s[:, 4:8] = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
+        s[:, 8:12] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
+        return np.hstack([self.f16(d, nb), self.f16(7.5 * d, nb), s, _bytes(rng, nb, 128)]).reshape(rows, -1)
+
+
+class _Q6_K(Blocks, qtype=Q.Q6_K):  # 128 ql + 64 qh + 16 int8 scales + f16 d; w = d*sc*(q-32)
+    def encode(self, rng, rows, cols, std, mean=None):
+        if mean is not None:
+            raise UnsupportedError("Q6_K payloads carry no mean")
+        nb = rows * cols // 256
+        sc = rng.integers(24, 41, size=(nb, 16), dtype=np.int8).view(np.uint8)
+        return np.hstack([_bytes(rng, nb, 192), sc, self.f16(std / (18.47 * 32), nb)]).reshape(rows, -1)
+
+
+# ---------------------------------------------------------------- quant mixes
+
+def use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's rule for the layers that get more bits in *_K_M mixes."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+class QuantMix:
+    """ggml type per tensor role, as llama-quantize picks it for this mix."""
+    mixes: ClassVar[dict[str, "QuantMix"]] = {}
+    file_type: ClassVar[int]
+    base: ClassVar[Q]
+
+    def __init_subclass__(cls, name: str, file_type: int, base: Q, **kw):
+        super().__init_subclass__(**kw)
+        cls.file_type, cls.base = file_type, base
+        QuantMix.mixes[name] = cls()
+
+    def qtype(self, role: str, layer: int, n_layers: int) -> Q:
+        return Q.Q6_K if role == "output" else self.base
+
+
+class _Q4_K_M(QuantMix, name="Q4_K_M", file_type=15, base=Q.Q4_K):
+    def qtype(self, role, layer, n_layers):
+        if role == "output" or (role in ("attn_v", "ffn_down_exps") and use_more_bits(layer, n_layers)):
+            return Q.Q6_K
+        return Q.Q4_K
+
+
+class _Q8_0Mix(QuantMix, name="Q8_0", file_type=7, base=Q.Q8_0):
+    def qtype(self, role, layer, n_layers):
+        return Q.Q8_0  # llama.cpp keeps output at Q8_0 for this mix
+
+
+class _Q4_0Mix(QuantMix, name="Q4_0", file_type=2, base=Q.Q4_0):
+    pass
+
+
+class _F16Mix(QuantMix, name="F16", file_type=1, base=Q.F16):
+    def qtype(self, role, layer, n_layers):
+        return Q.F16
