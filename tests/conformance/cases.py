@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bounds import LLAMA_F32_ATOL
+from bounds import F32_MODEL_ATOL, LLAMA_F32_ATOL
 
 TOKENS = tuple(range(3, 43))        # 40 positions: past GPT-OSS's sliding window, across prefill chunks of 16
 LONG_TOKENS = tuple(int(x) for x in np.random.default_rng(0).integers(5, 1000, 300))   # 300 random ids
@@ -46,7 +46,8 @@ class ArchCase:
     builder: str                                # api.BUILDERS key: the fixture module that makes it
     hf: tuple[str, ...] = ("hf",)               # HF directory sources
     ggufs: tuple[str, ...] = ("F32",)           # GGUF ftypes written from "hf"
-    logits: tuple[str, ...] = ("hf", "F32")     # packs whose F32 logits equal transformers' within F32_MODEL_ATOL
+    logits: tuple[str, ...] = ("hf", "F32")     # packs whose float32 logits equal transformers' within logits_atol
+    logits_atol: float = F32_MODEL_ATOL
     llama: tuple[Llama, ...] = ()               # empty: llama.cpp does not run this arch
     llama_tokens: tuple[int, ...] = TOKENS
     llama_f32_atol: float | None = LLAMA_F32_ATOL   # llama.cpp F32 vs transformers; None: not comparable

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from . import api
-from .cases import BY_ARCH, ArchCase
+from .cases import BY_ARCH, TOKENS, ArchCase
 
 
 class Sources:
@@ -63,10 +63,8 @@ class Sources:
 
     def hf_logits(self, case: ArchCase, source: str = "hf", tokens=None) -> torch.Tensor:
         """transformers' float32 logits [T, V] on the HF directory a source was made from."""
-        ref = source if source in ("hf_yarn",) else "hf"
-        tokens = tuple(tokens) if tokens is not None else None
-        from .cases import TOKENS
-        tokens = tokens or TOKENS
+        ref = source if source == "hf_yarn" else "hf"          # GGUFs and hf_fused hold hf's weights
+        tokens = TOKENS if tokens is None else tuple(tokens)
         key = (case.arch, ref, tokens)
         if key not in self._hf_logits:
             model = api.BUILDERS[case.builder].load_hf(self.path(case, ref))

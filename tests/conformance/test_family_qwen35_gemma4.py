@@ -59,8 +59,14 @@ def test_configs_normalize_layer_types_and_state(sources):
     assert qq.extra["linear"]["v_order"] == "tiled" and q.extra["linear"]["v_order"] == "grouped"
 
 
-def test_mtp_logits_are_the_steps_logits(sources, one_thread):
-    rt = open_rt(sources.pack(Q35, "mtp:hf"), context=64)
+def test_mtp_block_is_common_and_its_logits_are_the_steps_logits(sources, one_thread):
+    """The MTP block's fused experts and attention are common tensors; mtp_logits (the draft
+    logits, compared with transformers through mtp_step in test_mtp_shared) is mtp_step's."""
+    pack_dir = sources.pack(Q35, "mtp:hf")
+    L = api.read_manifest(pack_dir).config.n_layers
+    names = {r.name for r in api.read_manifest(pack_dir).common}
+    assert {f"blk.{L}.nextn.eh_proj.weight", f"blk.{L}.ffn_gate_up_exps.weight", f"blk.{L}.attn_q.weight"} <= names
+    rt = open_rt(pack_dir, context=64)
     try:
         m = rt.model
         ids, nxt = torch.tensor(PROMPT[:12]), torch.tensor(PROMPT[1:13])

@@ -10,7 +10,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from bounds import F32_MODEL_ATOL
 from . import api
 from .cases import CASES, TOKENS, ids, pairs, rows
 from .runtime_helpers import greedy, logits, open_rt
@@ -21,9 +20,10 @@ LLAMA_LAYOUTS = [(c, chk, lay) for c, chk in LLAMA for lay in chk.layouts]
 
 @pytest.mark.parametrize("case,source", pairs("logits"), ids=ids(pairs("logits")))
 def test_f32_logits_match_transformers(sources, case, source):
-    """Measured max |diff|: 3e-6 .. 6e-6 on every row; bound F32_MODEL_ATOL (tests/bounds.py)."""
+    """Bound F32_MODEL_ATOL (tests/bounds.py); measured max |diff| printed (-s)."""
     got = logits(sources.pack(case, source), TOKENS)
-    torch.testing.assert_close(got, sources.hf_logits(case, source), rtol=0, atol=F32_MODEL_ATOL)
+    print(f"{case.arch} {source}: max |diff| {(got - sources.hf_logits(case, source)).abs().max().item():.1e}")
+    torch.testing.assert_close(got, sources.hf_logits(case, source), rtol=0, atol=case.logits_atol)
 
 
 @pytest.mark.parametrize("case", rows(lambda c: c.llama_f32_atol is not None and any(k.ftype == "F32" for k in c.llama)),
@@ -84,12 +84,8 @@ def test_cache_is_transparent_at_its_minimum(sources, case, source):
     facts = api.PackFacts.from_pack(pack_dir)
     prompt = TOKENS[:20]
     want, full = greedy(pack_dir, prompt, 12, "100")
-    rt = open_rt(pack_dir, "min")
-    try:
-        assert rt.cache.capacity == facts.min_cache_bytes < facts.expert_bytes
-    finally:
-        rt.close()
     got, small = greedy(pack_dir, prompt, 12, "min")
+    assert small["capacity_bytes"] == facts.min_cache_bytes < facts.expert_bytes
     assert got == want and len(want) == 12
     assert small["evictions"] > 0 and full["evictions"] == 0
     assert greedy(pack_dir, prompt, 12, "100")[0] == want
@@ -130,7 +126,7 @@ def test_dense_layers_have_no_expert_blocks(sources, case):
 def _drop_one_attention_output(hf, out) -> str:
     shutil.copytree(hf, out)
     tensors = load_file(str(out / "model.safetensors"))
-    name = sorted(n for n in tensors if ".layers.1." in n and "o_proj" in n)[0]
+    name = next(n for n in sorted(tensors) if ".layers.1." in n and n.endswith("o_proj.weight"))
     del tensors[name]
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return name
