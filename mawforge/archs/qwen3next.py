@@ -61,8 +61,9 @@ HF_NAMES = ((r"layers\.(\d+)\.linear_attn\.in_proj_qkvz\.weight", "blk.{0}.ssm_i
 
 
 def required(cfg, layer: int) -> tuple:
-    if not cfg.args.layer_types or cfg.args.layer_types[layer] == "full":
-        return q35.required(cfg, layer)
+    if not cfg.args.layer_types or cfg.args.full_layers()[layer]:
+        return q35.required(cfg, layer)            # gated attention: as Qwen3.5
+    # delta-net: ssm_in or attn_qkv + attn_gate, whichever the source has; ssm_ba in both formats
     return ("attn_norm.weight", "post_attention_norm.weight", "ffn_gate_inp.weight", "ssm_ba.weight", "ssm_out.weight")
 
 
