@@ -1,14 +1,17 @@
 """What only Qwen3-Next has beside its shared checks (cases.CASES row "qwen3_next"): the older
 GGUF layout that keeps the fused qkvz projection as ssm_in, the config readers (grouped value
-heads in both formats, the MTP block config.json does not count), delta-net state bytes, and
-refusing dense MLP layers (llama.cpp has no dense path for this arch)."""
+heads in both formats, the MTP block config.json does not count), delta-net state bytes, a
+missing fused projection refused by name, and dense MLP layers refused (llama.cpp has no dense
+path for this arch)."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from bounds import F32_MODEL_ATOL, LLAMA_F32_ATOL
 from . import api
@@ -60,3 +63,14 @@ def test_dense_layers_are_refused(sources, change):
     c = json.loads((sources.path(Q3N, "hf") / "config.json").read_text())
     with pytest.raises(api.UnsupportedError, match="dense MLP layers"):
         api.from_hf_config(c | change)
+
+
+def test_missing_fused_projection_fails_at_pack(sources, tmp_path):
+    """A delta-net layer without in_proj_ba is refused at pack time naming llama.cpp's ssm_ba."""
+    shutil.copytree(sources.path(Q3N, "hf"), tmp_path / "hf")
+    path = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(str(path))
+    del tensors["model.layers.0.linear_attn.in_proj_ba.weight"]
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(api.MawError, match=r"no blk\.0\.ssm_ba\.weight tensor"):
+        api.pack(tmp_path / "hf", tmp_path / "pack", progress=False)
