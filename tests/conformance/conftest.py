@@ -37,12 +37,15 @@ class Sources:
             src = source[4:]
             if src == "hf":
                 return hf
-            return self._once((case.arch, source), lambda: b.write_gguf(hf, self.root / f"{case.arch}-mtp-{src}.gguf", src))
+            out = self.root / f"{case.arch}-mtp-{src}.gguf"
+            return self._once((case.arch, source), lambda: b.write_gguf(hf, out, src))
         if source.startswith("hf"):
-            kw = {"yarn": True} if source == "hf_yarn" else {}
-            return self._once((case.arch, source), lambda: b.build_hf(case.arch, self.root / f"{case.arch}-{source}", **kw))
+            kw = {source[3:]: True} if source != "hf" else {}      # hf_yarn: build_hf(..., yarn=True)
+            out = self.root / f"{case.arch}-{source}"
+            return self._once((case.arch, source), lambda: b.build_hf(case.arch, out, **kw))
         hf = self.path(case, "hf")
-        return self._once((case.arch, source), lambda: b.write_gguf(hf, self.root / f"{case.arch}-{source}.gguf", source))
+        out = self.root / f"{case.arch}-{source}.gguf"
+        return self._once((case.arch, source), lambda: b.write_gguf(hf, out, source))
 
     def pack(self, case: ArchCase, source: str, layout: str = "exact") -> Path:
         if case.builder == "tiny":
@@ -63,7 +66,7 @@ class Sources:
 
     def hf_logits(self, case: ArchCase, source: str = "hf", tokens=None) -> torch.Tensor:
         """transformers' float32 logits [T, V] on the HF directory a source was made from."""
-        ref = source if source == "hf_yarn" else "hf"          # GGUFs and hf_fused hold hf's weights
+        ref = source if source.startswith("hf_") and source != "hf_fused" else "hf"   # GGUFs, hf_fused: hf's weights
         tokens = TOKENS if tokens is None else tuple(tokens)
         key = (case.arch, ref, tokens)
         if key not in self._hf_logits:

@@ -35,6 +35,7 @@ def test_llama_cpp_f32_logits_match_transformers(sources, case):
     ref = sources.hf_logits(case).numpy()
     got = sources.llama(case, "F32", TOKENS)
     assert got.shape == ref.shape
+    print(f"{case.arch}: llama.cpp F32 vs transformers max |diff| {np.abs(got - ref).max():.1e}")
     np.testing.assert_allclose(got, ref, atol=case.llama_f32_atol, rtol=0)
 
 
