@@ -5,10 +5,11 @@ over the mixed q|k|v projection, then the gated delta rule run token by token ov
 Legend: T tokens in the chunk, C hidden, Ch conv channels (2*Hk*Dk + Hv*Dv), K conv kernel,
 Hk key heads, Hv value heads, Dk key head dim, Dv value head dim.
 
-Checkpoint layouts differ in three ways, all read from config.args.linear or the names:
+Checkpoint layouts differ in four ways, all read from config.args.linear or the names:
 HF keeps A_log (llama.cpp stores ssm_a = -exp(A_log)); HF orders value heads grouped by key
 head (v head j reads k head j // (Hv/Hk)), llama.cpp tiles them (k head j % Hk); the conv
-kernel is [Ch, 1, K] in HF and [Ch, K] in GGUF (same bytes).
+kernel is [Ch, 1, K] in HF and [Ch, K] in GGUF (same bytes); Qwen3-Next fuses the input
+projections per key head (ssm_in, ssm_ba; see DeltaNetMixer.project).
 """
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ def replay(state: list[torch.Tensor], conv_in: torch.Tensor, q, k, v, g, beta) -
 
 
 class DeltaNetMixer:
-    """One linear-attention layer's token mixer over CommonWeights names blk.N.{attn_qkv, attn_gate,
-    ssm_beta, ssm_alpha, ssm_conv1d, ssm_dt.bias, ssm_a | ssm_a_log, ssm_norm, ssm_out}."""
+    """One linear-attention layer's token mixer over CommonWeights names blk.N.{attn_qkv, attn_gate
+    | ssm_in, ssm_beta, ssm_alpha | ssm_ba, ssm_conv1d, ssm_dt.bias, ssm_a | ssm_a_log, ssm_norm, ssm_out}."""
 
     def __init__(self, weights, spec: dict, eps: float):
         self.w, self.eps = weights, eps
@@ -76,15 +77,35 @@ class DeltaNetMixer:
                               else -self.w.dense(p + "ssm_a_log").exp()).reshape(-1)
         return self._a[layer]
 
+    def project(self, p: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, C] -> q|k|v before the conv [T, Ch], z [T, Hv, Dv], b and a [T, Hv], from whichever
+        layout the checkpoint has: split (attn_qkv, attn_gate, ssm_beta, ssm_alpha: Qwen3.5, and
+        Qwen3-Next's GGUF q|k|v and z) or fused per key head (Qwen3-Next): ssm_in rows are
+        [q (Dk), k (Dk), v (r*Dv), z (r*Dv)] per key head (HF in_proj_qkvz, older GGUFs), ssm_ba
+        rows [b (r), a (r)] per key head (HF in_proj_ba). r = Hv / Hk."""
+        T, hk, hv, dk, dv = x.shape[0], self.hk, self.hv, self.dk, self.dv
+        r = hv // hk
+        if self.w.has(p + "ssm_in.weight"):
+            y = linear(x, self.w.packed(p + "ssm_in.weight")).float().view(T, hk, 2 * dk + 2 * r * dv)
+            q, k, v, z = y.split((dk, dk, r * dv, r * dv), dim=-1)
+            mixed = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1)   # [T, Ch]
+        else:
+            mixed = linear(x, self.w.packed(p + "attn_qkv.weight")).float()      # [T, Ch]
+            z = linear(x, self.w.packed(p + "attn_gate.weight")).float()
+        if self.w.has(p + "ssm_ba.weight"):
+            ba = linear(x, self.w.packed(p + "ssm_ba.weight")).float().view(T, hk, 2 * r)
+            b, a = ba[..., :r].reshape(T, hv), ba[..., r:].reshape(T, hv)         # [T, Hv]
+        else:
+            b = linear(x, self.w.packed(p + "ssm_beta.weight")).float()
+            a = linear(x, self.w.packed(p + "ssm_alpha.weight")).float()
+        return mixed, z.reshape(T, hv, dv), b, a
+
     def __call__(self, layer: int, x: torch.Tensor, state: list[torch.Tensor], trail: list | None = None) -> torch.Tensor:
         """trail: the KV cache's recorder for this layer (models/kv.py) while a rollback mark is set;
         the chunk leaves its recurrence inputs there so the state can be replayed to any prefix."""
         p, T = f"blk.{layer}.", x.shape[0]
         hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
-        mixed = linear(x, self.w.packed(p + "attn_qkv.weight")).float()          # [T, Ch]
-        z = linear(x, self.w.packed(p + "attn_gate.weight")).float().view(T, hv, dv)
-        b = linear(x, self.w.packed(p + "ssm_beta.weight")).float()              # [T, Hv]
-        a = linear(x, self.w.packed(p + "ssm_alpha.weight")).float()
+        mixed, z, b, a = self.project(p, x)
         conv_w = self.w.dense(p + "ssm_conv1d.weight")
         conv_in = mixed
         mixed = causal_conv(mixed, state[0], conv_w.reshape(conv_w.shape[0], -1))

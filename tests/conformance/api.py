@@ -13,6 +13,7 @@ from mawforge.fixtures import families_ds_oss as ds_oss
 from mawforge.fixtures import families_qwen35_gemma4 as q35_gemma4
 from mawforge.fixtures import family_glm4moe as glm4moe
 from mawforge.fixtures import family_llama4 as llama4
+from mawforge.fixtures import family_qwen3next as qwen3next
 from mawforge.fixtures import tiny
 from mawforge.fixtures.gguf_writer import write_gguf as tiny_write_gguf
 from mawforge.fixtures.llama_ref import llama_generate_many, llama_logits
@@ -28,7 +29,7 @@ __all__ = ["generate", "Runtime", "RuntimeOptions", "Sampler", "SamplingParams",
            "BudgetRejected", "MawError", "UnsupportedError", "llama_generate_many", "llama_logits",
            "from_hf_config", "hf_common", "open_source", "KVCache", "read_index", "read_manifest", "pack",
            "GiB", "PackFacts", "make_plan", "Builder", "BUILDERS", "ds_oss", "q35_gemma4", "tiny", "glm4moe",
-           "llama4", "from_gguf_metadata"]
+           "llama4", "from_gguf_metadata", "qwen3next"]
 
 
 class Builder(NamedTuple):
@@ -46,4 +47,5 @@ BUILDERS = {
     "q35_gemma4": Builder(q35_gemma4.build_hf, q35_gemma4.write_gguf, q35_gemma4.load_hf, q35_gemma4.add_mtp_block),
     "glm4moe": Builder(glm4moe.build_hf, glm4moe.write_gguf, tiny.load_hf, glm4moe.add_mtp_layer),
     "llama4": Builder(llama4.build_hf, llama4.write_gguf, tiny.load_hf, None),
+    "qwen3next": Builder(qwen3next.build_hf, qwen3next.write_gguf, qwen3next.load_hf, qwen3next.add_mtp_block),
 }

@@ -106,6 +106,10 @@ CASES: tuple[ArchCase, ...] = (
     ArchCase("llama4_text", "llama4", hf=("hf", "hf_short_chunk"), ggufs=("F32", "Q8_0"),
              logits=("hf", "hf_short_chunk", "F32"), llama=(Llama("F32"), Llama("Q8_0", 0.95)),
              transparent=("hf", "Q8_0"), plan_source="hf", dense_layers=(0, 2)),
+    # Qwen3-Next (mawforge/fixtures/family_qwen3next.py): Qwen3.5's hybrid with fused qkvz/ba
+    # delta-net projections. Measured top-1 vs llama.cpp on these 40 positions: F32 40/40, Q8_0 40/40.
+    ArchCase("qwen3_next", "qwen3next", ggufs=("F32", "Q8_0"), llama=(Llama("F32"), Llama("Q8_0", 0.95)),
+             transparent=("Q8_0",), mtp=("mtp:hf", "mtp:F32", "mtp:Q8_0"), mtp_greedy=("mtp:hf",), recurrent=True),
 )
 
 BY_ARCH = {c.arch: c for c in CASES}
