@@ -96,10 +96,8 @@ class Runtime:
     def _lookahead(self, layer: int, x: torch.Tensor) -> None:
         """Apply layer+1's router to layer's FFN input and prefetch what it would pick."""
         nxt = layer + 1
-        if nxt >= self.cfg.n_layers:
-            return
-        if not self.cache.driver.enabled:
-            return
+        if nxt >= self.cfg.n_layers or nxt in self.cfg.args.dense_layers or not self.cache.driver.enabled:
+            return                  # no next layer, or no router there, or a measuring window with prefetch off
         idx, _ = self.model.route(nxt, x)
         self.cache.lookahead([(nxt, int(e)) for e in torch.unique(idx).tolist()])
 
