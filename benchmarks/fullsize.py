@@ -71,7 +71,10 @@ class LlamaEngine:
         """Run ids at the next positions; the greedy next token."""
         import numpy as np
         self.llm.eval(ids)
-        return int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        # the last position's logits, read from the context (Llama.eval keeps none unless
+        # logits_all, and its eval_logits property copies every row into lists)
+        row = np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(self.llm.n_vocab(),))
+        return int(np.argmax(row))
 
     def wait(self) -> float:
         return 0.0
