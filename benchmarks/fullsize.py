@@ -99,7 +99,8 @@ class MawEngine:
         self.rt = Runtime(a.pack, RuntimeOptions(context=1024, expert_cache_percent=a.cache_percent,
                                                  memory_budget_gib=a.budget_gib, prefill_chunk=a.prefill_chunk,
                                                  threads=THREADS, check_digests=False,
-                                                 stream_embeddings=a.budget_gib is not None, prefetch=a.prefetch))
+                                                 stream_embeddings=a.budget_gib is not None, prefetch=a.prefetch,
+                                                 io_threads=a.io_threads))
         if a.preload:
             self.rt.cache.preload()
 
@@ -207,6 +208,7 @@ def main() -> int:
         ap.add_argument("--budget-gib", type=float)
         ap.add_argument("--preload", action="store_true")
         ap.add_argument("--prefetch", default="auto")
+        ap.add_argument("--io-threads", type=int, default=4, help="MawForge: concurrent expert reads")
         ap.add_argument("--prefill-chunk", type=int, default=512, help="MawForge: as llama.cpp's n_batch here")
         ap.add_argument("--no-repack", action="store_true")
         ap.add_argument("--prompt-tokens", type=int, default=64)
