@@ -97,19 +97,17 @@ def model() -> type:
     import torch
 
     from mawforge.kernels import linear
-    from mawforge.models.base import MoETransformer, attend, rope_rotate
+    from mawforge.models.base import MoETransformer, attend, rope_inv_freq, rope_rotate
     from mawforge.models.kv import KVCache
     from mawforge.models.mtp import MtpMixin
 
     class Glm4Moe(MtpMixin, MoETransformer):
-        ffn_norm_name = "post_attention_norm.weight"
-
         def __init__(self, cfg, weights, experts, device):
             super().__init__(cfg, weights, experts, device)
-            x = cfg.args
-            self.router, self.dense_layers = x.router, set(x.dense_layers)
-            r = x.rope_dim
-            self.inv_freq = (1.0 / cfg.rope_base ** (torch.arange(0, r, 2, dtype=torch.float32) / r)).to(device)
+            self.router, self.dense_layers = cfg.args.router, set(cfg.args.dense_layers)
+            self.inv_freq = rope_inv_freq(cfg.rope_base, cfg.args.rope_dim, device)     # partial rotary
+
+        ffn_norm_name = "post_attention_norm.weight"      # llama.cpp's name for the FFN input norm
 
         # ---- attention -------------------------------------------------------------------
         def qk_norm(self, layer: int, q: torch.Tensor, k: torch.Tensor):
@@ -163,12 +161,6 @@ def model() -> type:
             return self.mlp(p, "_shexp", h) if self.w.has(p + "ffn_gate_shexp.weight") else None
 
         # ---- multi-token prediction ------------------------------------------------------
-        def mtp_cache(self, context: int, dtype: torch.dtype = torch.float32) -> KVCache:
-            """The MTP layer's own one-layer KV cache (its layer index is n_layers)."""
-            c = self.cfg
-            layout = [{"kind": "none"}] * c.n_layers + [{"kind": "kv", "kv_heads": c.n_kv_heads, "head_dim": c.head_dim}]
-            return KVCache(c.n_layers + 1, c.n_kv_heads, c.head_dim, context, dtype, self.device, layout)
-
         def mtp_step(self, hidden: torch.Tensor, tokens: torch.Tensor, pos0: int,
                      mtp_kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
             """hidden [T, C] at positions pos0.. (`hidden()`, or a previous step's output), tokens [T]

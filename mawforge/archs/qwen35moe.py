@@ -98,7 +98,7 @@ def model() -> type:
     import torch
 
     from mawforge.kernels import linear
-    from mawforge.models.base import MoETransformer, attend, rms_norm, rope_rotate, route_softmax_topk
+    from mawforge.models.base import MoETransformer, attend, rope_inv_freq, rms_norm, rope_rotate, route_softmax_topk
     from mawforge.models.deltanet import DeltaNetMixer
     from mawforge.models.kv import KVCache
     from mawforge.models.mtp import MtpMixin
@@ -111,8 +111,7 @@ def model() -> type:
             x = cfg.args
             self.full = x.full_layers()        # else a delta-net layer
             self.offset = float(x.norm_offset)
-            rd = x.rope_dim
-            self.inv_freq = (1.0 / cfg.rope_base ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd)).to(device)
+            self.inv_freq = rope_inv_freq(cfg.rope_base, x.rope_dim, device)     # partial rotary
             self.mixer_linear = DeltaNetMixer(weights, x.linear, cfg.norm_eps)
             self._norms: dict[str, torch.Tensor] = {}
 
@@ -148,12 +147,6 @@ def model() -> type:
             return self.mixer_linear(layer, x, kv.layer_state(layer), kv.recorder(layer))
 
         # ---- multi-token prediction ---------------------------------------------------------
-        def mtp_cache(self, context: int, dtype: torch.dtype = torch.float32) -> KVCache:
-            """The MTP block's own one-layer KV cache (its layer index is n_layers)."""
-            c = self.cfg
-            layout = [{"kind": "none"}] * c.n_layers + [{"kind": "kv", "kv_heads": c.n_kv_heads, "head_dim": c.head_dim}]
-            return KVCache(c.n_layers + 1, c.n_kv_heads, c.head_dim, context, dtype, self.device, layout)
-
         def mtp_step(self, hidden: torch.Tensor, tokens: torch.Tensor, pos0: int,
                      mtp_kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
             """hidden [T, C] at positions pos0.. (`hidden()`, or a previous step's output), tokens [T]

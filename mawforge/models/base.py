@@ -80,6 +80,12 @@ class Rope:
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
+def rope_inv_freq(base: float, dims: int, device) -> torch.Tensor:
+    """Inverse frequencies of a NEOX rotation over the first `dims` dims of a head (partial
+    rotary: GLM-4.5, Qwen3.5/Next); float32 as transformers computes them. -> [dims/2]"""
+    return (1.0 / base ** (torch.arange(0, dims, 2, dtype=torch.float32) / dims)).to(device)
+
+
 def rope_rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """NEOX rotation of the first 2*len(inv_freq) dims (halves of that span); the rest pass.
     x [T, H, D], pos [T], inv_freq [R] float32 (zeros leave their pair unrotated)."""

@@ -99,6 +99,13 @@ class MtpMixin:
 
     mtp: MtpState | None = None
 
+    def mtp_cache(self, context: int, dtype: torch.dtype = torch.float32):
+        """The MTP layer's own one-layer KV cache (its layer index is n_layers), full attention
+        over the model's KV heads; a family whose MTP layer keeps something else overrides it."""
+        c = self.cfg
+        layout = [{"kind": "none"}] * c.n_layers + [{"kind": "kv", "kv_heads": c.n_kv_heads, "head_dim": c.head_dim}]
+        return KVCache(c.n_layers + 1, c.n_kv_heads, c.head_dim, context, dtype, self.device, layout)
+
     @property
     def has_mtp(self) -> bool:
         L = self.cfg.n_layers
