@@ -227,6 +227,8 @@ def main() -> int:
                     help="skip llama.cpp's default load under limits (it copies the weights: OOM below the file size)")
     ap.add_argument("--none-at", default="8", help="limits (GiB) where MawForge also runs with --prefetch none")
     ap.add_argument("--only", default="", help="comma list of configs to run (resident, 12, 8, ...)")
+    ap.add_argument("--engines", default="", help="comma list of engines to run (llama.cpp default, llama.cpp repack off, "
+                                                  "mawforge, mawforge none); default all")
     ap.add_argument("--timeout", type=float, default=1200)
     a = ap.parse_args()
     gguf = synth_model(a.layers, "Q4_K_M", skew=1.0, stickiness=0.3)
@@ -239,7 +241,12 @@ def main() -> int:
     only = {x.strip() for x in a.only.split(",") if x.strip()}
     rows = []
 
-    def add(config, name, r):
+    engines = {x.strip() for x in a.engines.split(",") if x.strip()}
+
+    def add(config, name, make):
+        if engines and name not in engines:
+            return
+        r = make()
         r.update(model=gguf.name, layers=a.layers, config=config, engine=name, file_bytes=size)
         rows.append(r)
         brief = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
@@ -253,17 +260,17 @@ def main() -> int:
         limit = int(gib * GiB) if gib else None
         lim_args = full if limit is None else short
         if limit is None or not a.no_llama_default_under_limits:
-            add(config, "llama.cpp default", child(["llama", "--model", str(gguf), *lim_args], limit, a.timeout))
-        add(config, "llama.cpp repack off", child(["llama", "--model", str(gguf), "--no-repack", *lim_args], limit, a.timeout))
+            add(config, "llama.cpp default", lambda: child(["llama", "--model", str(gguf), *lim_args], limit, a.timeout))
+        add(config, "llama.cpp repack off", lambda: child(["llama", "--model", str(gguf), "--no-repack", *lim_args], limit, a.timeout))
         if limit is None:
-            add(config, "mawforge", child(["maw", "--pack", str(pack), "--cache-percent", "100", "--preload", *full],
+            add(config, "mawforge", lambda: child(["maw", "--pack", str(pack), "--cache-percent", "100", "--preload", *full],
                                           None, a.timeout))
         else:
             # the budget leaves 8% of the limit to the page cache and the kernel (as decode.py)
             budget = ["--budget-gib", f"{gib * 0.92:.3f}"]
-            add(config, "mawforge", child(["maw", "--pack", str(pack), *budget, *full], limit, a.timeout))
+            add(config, "mawforge", lambda: child(["maw", "--pack", str(pack), *budget, *full], limit, a.timeout))
             if config.split()[0] in a.none_at.split(","):
-                add(config, "mawforge none", child(["maw", "--pack", str(pack), *budget, "--prefetch", "none", *full],
+                add(config, "mawforge none", lambda: child(["maw", "--pack", str(pack), *budget, "--prefetch", "none", *full],
                                                    limit, a.timeout))
     print(f"\n# full-size benchmark, {machine()}, {THREADS} threads each, file {size / 1e9:.2f} GB")
     print(f"{'config':10s} {'engine':22s} {'status':12s} {'TTFT s':>7s} {'TF tok/s':>9s} {'greedy tok/s':>12s} "

@@ -170,3 +170,19 @@ def test_thread_governor_says_when_a_step_is_safe_to_time():
     assert c.current == 2 and gov.settled()
     c.record(2, 1, 0.5)                            # the next window probes 1 thread
     assert c.current == 1 and not gov.settled()
+
+
+def test_a_new_request_remeasures_the_other_choices():
+    from mawforge.engine.online import OnlineChooser
+    c = OnlineChooser((2, 1), window=1, probe_every=100)
+    c.reprobe()                                     # still exploring: nothing queued
+    c.record(2, 1, 1.0)                             # 2 threads: 1 tok/s (a read-heavy phase)
+    c.record(1, 1, 0.5)                             # 1 thread: 2 tok/s
+    assert c.current == 1
+    c.record(1, 1, 0.5)
+    assert c.current == 1                           # probes are 100 windows apart
+    c.reprobe()                                     # a new request: measure 2 threads again soon
+    c.record(1, 1, 0.5)
+    assert c.current == 2
+    c.record(2, 1, 0.1)                             # now 10 tok/s: EMA (1 + 10) / 2 = 5.5 > 2
+    assert c.current == 2 and c.rate[2] == pytest.approx(5.5)

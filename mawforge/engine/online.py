@@ -21,6 +21,7 @@ class OnlineChooser:
         self.windows = {a: 0 for a in self.arms}
         self.current = self.arms[0]
         self._tokens, self._seconds, self._since_probe, self._probe = 0, 0.0, 0, 0
+        self._queue: list = []
 
     def mode(self):
         return self.current
@@ -37,10 +38,19 @@ class OnlineChooser:
         self._tokens, self._seconds = 0, 0.0
         self.current = self._next()
 
+    def reprobe(self) -> None:
+        """A new phase begins (a new request: other prompt, other routing, other read rate), so the
+        rates measured so far may not hold: the windows after the current one measure every other
+        arm once more before choosing again. Nothing changes while arms are still unexplored."""
+        if all(self.rate[a] is not None for a in self.arms):
+            self._queue = [a for a in self.arms if a != self.current]
+
     def _next(self):
         unknown = [a for a in self.arms if self.rate[a] is None]
         if unknown:
             return unknown[0]
+        if self._queue:
+            return self._queue.pop(0)
         best = max(self.arms, key=lambda a: self.rate[a])        # ties: the earlier arm
         others = [a for a in self.arms if a != best]
         self._since_probe += 1

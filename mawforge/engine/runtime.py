@@ -108,7 +108,13 @@ class Runtime:
         return {"mode": self.prefetch_spec or "none", "lookahead": self.lookahead}
 
     def reset(self) -> None:
+        """Start a new sequence. The thread and prefetch governors re-measure their other choices
+        in the coming windows: a choice made in one request's phase (a read-heavy prompt, say,
+        where the I/O takes a core) need not hold in the next."""
         self.kv.truncate(0)
+        for gov in (self.governor, self.prefetch_governor):
+            if gov is not None:
+                gov.chooser.reprobe()
 
     def forward(self, tokens: list[int], all_logits: bool = False, kind: str | None = None) -> torch.Tensor:
         """Run tokens at the next positions, in chunks; logits of the last token ([1, V]) or all ([T, V])."""
