@@ -2,6 +2,7 @@
 their peak RSS, medians. Benchmarks measure MawForge and its peer in the same run."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -108,6 +109,24 @@ def worker_row(script: str, args: list[str], limit_bytes: int | None = None, tim
     if r["rc"] != 0:
         row["stderr_tail"] = r["stderr"][-600:]
     return row
+
+
+def worker_parser(engines: tuple[str, ...]) -> argparse.ArgumentParser:
+    """`SCRIPT worker ENGINE ...`: the arguments every benchmark worker takes (which file, which
+    MawForge cache, llama.cpp's load, the prompt and decode lengths); scripts add their own."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("worker")
+    ap.add_argument("engine", choices=engines)
+    ap.add_argument("--model")
+    ap.add_argument("--pack")
+    ap.add_argument("--cache-percent", type=float)
+    ap.add_argument("--budget-gib", type=float)
+    ap.add_argument("--preload", action="store_true")
+    ap.add_argument("--no-repack", action="store_true")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=4)
+    return ap
 
 
 def llama_repack_off() -> None:

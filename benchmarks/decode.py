@@ -17,7 +17,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import llama_repack_off, machine, pack_of, save, synth_model, worker_row  # noqa: E402
+from common import llama_repack_off, machine, pack_of, save, synth_model, worker_parser, worker_row  # noqa: E402
 
 THREADS = int(os.environ.get("MAWFORGE_BENCH_THREADS", "2"))   # each engine, same count
 
@@ -162,21 +162,10 @@ def run_model(layers: int, skew: float, a) -> list[dict]:
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        ap = argparse.ArgumentParser()
-        ap.add_argument("worker")
-        ap.add_argument("engine", choices=("llama", "maw", "pread"))
-        ap.add_argument("--model")
-        ap.add_argument("--pack")
-        ap.add_argument("--cache-percent", type=float)
-        ap.add_argument("--budget-gib", type=float)
-        ap.add_argument("--preload", action="store_true")
+        ap = worker_parser(("llama", "maw", "pread"))
         ap.add_argument("--stream-embeddings", action="store_true")
-        ap.add_argument("--no-repack", action="store_true")
         ap.add_argument("--no-mmap", action="store_true")
         ap.add_argument("--no-thread-governor", action="store_true", help="MawForge: keep every step at THREADS")
-        ap.add_argument("--prompt-tokens", type=int, default=64)
-        ap.add_argument("--decode-tokens", type=int, default=32)
-        ap.add_argument("--warmup", type=int, default=4)
         a = ap.parse_args()
         print(json.dumps({"llama": work_llama, "maw": work_maw, "pread": work_pread}[a.engine](a)))
         return 0

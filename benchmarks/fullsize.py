@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import llama_repack_off, machine, pack_of, save, synth_model, worker_row  # noqa: E402
+from common import llama_repack_off, machine, pack_of, save, synth_model, worker_parser, worker_row  # noqa: E402
 
 THREADS = int(os.environ.get("MAWFORGE_BENCH_THREADS", "2"))
 GiB = 2**30
@@ -35,21 +34,6 @@ GiB = 2**30
 def rand_tokens(n: int, seed: int, vocab: int = 151000) -> list[int]:
     import numpy as np
     return [int(t) for t in np.random.default_rng(seed).integers(1000, vocab, n)]
-
-
-class Stalls:
-    def __init__(self) -> None:
-        self.waits, self.tokens = [], 0
-
-    def add(self, wait: float) -> None:
-        self.tokens += 1
-        if wait > 0:
-            self.waits.append(wait)
-
-    def summary(self) -> dict:
-        w = sorted(self.waits)
-        q = (lambda p: w[max(0, math.ceil(len(w) * p) - 1)]) if w else (lambda p: 0.0)   # nearest rank
-        return {"stall_token_share": len(w) / max(1, self.tokens), "stall_p50_s": q(0.5), "stall_p95_s": q(0.95)}
 
 
 # ---- workers (child processes) ---------------------------------------------------------------
@@ -135,22 +119,24 @@ class MawEngine:
 
 
 def decode_loop(eng, first: int, feed: list[int] | None, n: int, warmup: int) -> dict:
-    """n one-token steps, teacher-forced over `feed` or greedy from `first`."""
-    times, stalls, tok, read0 = [], Stalls(), first, None
+    """n one-token steps, teacher-forced over `feed` or greedy from `first`; stall figures as the
+    request telemetry computes them (mawforge.telemetry.StallMeter)."""
+    from mawforge.telemetry import StallMeter
+    times, stalls, tok, read0 = [], StallMeter(), first, 0
     for i in range(n):
         if i == warmup:
-            read0 = eng.report().get("materialized_bytes", 0) + eng.report().get("prefetch_issued_bytes", 0)
+            read0 = eng.read_bytes()
         x = feed[i] if feed is not None else tok
         w0, t0 = eng.wait(), time.perf_counter()
         tok = eng.run([x])
         times.append(time.perf_counter() - t0)
         if i >= warmup:
-            stalls.add(eng.wait() - w0)
+            stalls.record(eng.wait() - w0, 1)
     warm = times[warmup:]
-    out = {"decode_tok_s": len(warm) / sum(warm), **stalls.summary()}
-    rep = eng.report()
-    if "materialized_bytes" in rep:
-        out["read_bytes_per_token"] = (rep["materialized_bytes"] + rep["prefetch_issued_bytes"] - read0) / len(warm)
+    share, p50, p95 = stalls.summary()
+    out = {"decode_tok_s": len(warm) / sum(warm), "stall_token_share": share, "stall_p50_s": p50, "stall_p95_s": p95}
+    if isinstance(eng, MawEngine):
+        out["read_bytes_per_token"] = (eng.read_bytes() - read0) / len(warm)
     return out
 
 
@@ -199,21 +185,10 @@ def greedy_tok_s(r: dict) -> float:
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
-        ap = argparse.ArgumentParser()
-        ap.add_argument("worker")
-        ap.add_argument("engine", choices=("llama", "maw"))
-        ap.add_argument("--model")
-        ap.add_argument("--pack")
-        ap.add_argument("--cache-percent", type=float)
-        ap.add_argument("--budget-gib", type=float)
-        ap.add_argument("--preload", action="store_true")
+        ap = worker_parser(("llama", "maw"))
         ap.add_argument("--prefetch", default="auto")
         ap.add_argument("--io-threads", type=int, default=4, help="MawForge: concurrent expert reads")
         ap.add_argument("--prefill-chunk", type=int, default=512, help="MawForge: as llama.cpp's n_batch here")
-        ap.add_argument("--no-repack", action="store_true")
-        ap.add_argument("--prompt-tokens", type=int, default=64)
-        ap.add_argument("--decode-tokens", type=int, default=32)
-        ap.add_argument("--warmup", type=int, default=4)
         ap.add_argument("--classes", default="code,summarization,writing,reasoning")
         ap.add_argument("--greedy-tokens", type=int, default=24)
         print(json.dumps(work(ap.parse_args())))

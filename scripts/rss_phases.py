@@ -3,7 +3,9 @@ a long prompt): VmRSS, RssAnon, RssFile and the high-water mark against the plan
 
     python scripts/rss_phases.py PACK BUDGET_GIB PREFILL_CHUNK
 """
-import os, sys, torch, time
+import sys
+
+import torch
 sys.path.insert(0, 'benchmarks')
 def rss():
     s = open('/proc/self/status').read()

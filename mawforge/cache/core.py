@@ -150,7 +150,6 @@ class CacheCore:
         self._layers: dict[int, list[int]] = {}  # layer -> [hits, misses, evictions, bytes]
         self._pf = dict(issued=0, issued_bytes=0, useful=0, useful_bytes=0, wasted=0,
                         wasted_bytes=0, probes=0, dropped=0, spared=0)
-        self._pending_evicted: list[Key] = []
         self.heat: np.ndarray | None = None          # [len(HEAT_FIELDS), layers * experts] counts
         self.resident_map: np.ndarray | None = None  # [layers * experts] bool
 
@@ -199,18 +198,17 @@ class CacheCore:
             c = self._layers[layer] = [0, 0, 0, 0]
         return c
 
-    def _evict_for(self, nbytes: int, keep: Callable[[Key], bool] | None = None) -> list[Key] | None:
-        """Evict until nbytes fit. keep(key) True marks a block this eviction must spare (a
-        prefetch spares the blocks about to be used); None is returned when only such blocks
-        are left (the blocks evicted before that stay evicted, counted as usual)."""
+    def _evict_for(self, nbytes: int, keep: Callable[[Key], bool] | None = None) -> tuple[list[Key], bool]:
+        """Evict until nbytes fit; returns (evicted keys, whether they fit now). keep(key) True
+        marks a block this eviction must spare (a prefetch spares the blocks about to be used);
+        when only such blocks are left it stops short (what it evicted before stays evicted)."""
         evicted = []
         ok = self.is_evictable if keep is None else (lambda k: k not in self._pins and not keep(k))
         while self.used_bytes + nbytes > self.capacity_bytes:
             key = self.policy.victim(ok)
             if key is None and keep is not None:
                 self._pf["spared"] += 1
-                self._pending_evicted = evicted
-                return None
+                return evicted, False
             if key is None or key in self._pins or key not in self._size:
                 raise RuntimeError(f"policy {self.policy.spec} returned bad victim {key}")
             size = self._size.pop(key)
@@ -228,7 +226,7 @@ class CacheCore:
                 if self.heat is not None:
                     self.heat[5, key[0] * self._experts + key[1]] += 1
             evicted.append(key)
-        return evicted
+        return evicted, True
 
     def _insert(self, key: Key, nbytes: int) -> None:
         self._size[key] = nbytes
@@ -261,7 +259,7 @@ class CacheCore:
             raise BudgetRejected(
                 f"expert cache of {self.capacity_bytes} bytes cannot load block {key} "
                 f"({nbytes} bytes) with {self.pinned_bytes} bytes pinned")
-        evicted = self._evict_for(nbytes)
+        evicted, _ = self._evict_for(nbytes)
         counters[1] += 1
         counters[3] += nbytes
         self._insert(key, nbytes)
@@ -283,10 +281,10 @@ class CacheCore:
         if not self._fits_after_eviction(nbytes):
             self._pf["dropped"] += 1
             return "drop", []
-        evicted = self._evict_for(nbytes, keep)
-        if evicted is None:
+        evicted, fits = self._evict_for(nbytes, keep)
+        if not fits:
             self._pf["dropped"] += 1
-            return "drop", self._pending_evicted
+            return "drop", evicted
         self._insert(key, nbytes)
         self._unused_prefetch.add(key)
         self._pf["issued"] += 1
