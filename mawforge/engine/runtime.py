@@ -11,6 +11,7 @@ import torch
 from mawforge.cache.expert_cache import ExpertCache
 from mawforge.cache.store import ExpertStore
 from mawforge.models.kv import KVCache
+from mawforge.engine.allocator import bound_allocator
 from mawforge.engine.prefetch_auto import AUTO_PREFETCHER, PrefetchGovernor
 from mawforge.engine.threads import ThreadGovernor
 from mawforge.engine.tokenizer import load_tokenizer
@@ -51,6 +52,7 @@ class RuntimeOptions:
 class Runtime:
     def __init__(self, pack: str | Path, opts: RuntimeOptions = RuntimeOptions(), recorder=None):
         self.pack, self.opts = Path(pack), opts
+        bound_allocator()                 # freed activations go back to the OS (engine/allocator.py)
         if opts.threads:
             torch.set_num_threads(opts.threads)
         self.device = torch.device(opts.device)

@@ -28,9 +28,21 @@ TILE_ELEMENTS = 1 << 20
 INT4PACK_MAX_M = 160
 # Up to this many tokens a float32 GEMM on a float32 tile beats casting the tile to bf16.
 GGML_FP32_MAX_M = 16
+
+
+def _fast_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16); elsewhere torch's
+    bf16 GEMM is emulated and a dequantized tile's GEMM loses to the native kernels at any M."""
+    flags = native.cpu_flags().split()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 # Up to this many tokens the native integer kernels (cost linear in M) beat dequantizing tiles
-# and a float GEMM; see docs/quant-layouts.md for the measured crossover.
-NATIVE_MAX_M = 64
+# and a float GEMM. With hardware bf16 the crossover is about 64 tokens (docs/quant-layouts.md).
+# Without it (AMD Zen 3, AVX2) the native kernels win at every prefill size measured: Q4_K/Q6_K
+# 768x2048 and 2048x768 at M=512 took 18-26 ms native against 90-207 ms dequantized + bf16 and
+# 14-247 ms dequantized + float32 (2 threads); so there they take every chunk up to 4096 tokens.
+NATIVE_MAX_M = 64 if _fast_bf16() else 1 << 12
 
 
 class LinearKernel:

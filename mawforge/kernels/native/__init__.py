@@ -55,7 +55,8 @@ _SIGNATURES = (("qgemm", [_I, _P, _I, _I, _P, _I, _P]),
 _VOID = ("set_threads", "rms_norm_rows", "rope_rows")
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The flags line of /proc/cpuinfo (empty where there is none)."""
     try:
         return next((l for l in open("/proc/cpuinfo") if l.startswith("flags")), "")
     except OSError:
@@ -78,7 +79,7 @@ def _compile(cc: str, march: str, cache: Path) -> tuple[Path | None, str]:
     Returns (path, "") or (None, the compiler's message)."""
     flags = [*BASE_FLAGS, f"-march={march}"]
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _compiler_version(cc).encode()
-                         + _cpu_flags().encode()).hexdigest()[:16]
+                         + cpu_flags().encode()).hexdigest()[:16]
     lib = cache / f"kquant_gemm-{key}.so"
     if lib.exists():
         return lib, ""
