@@ -74,3 +74,24 @@ def test_families_with_their_own_attention_do_not_take_it(arch):
     from mawforge.archs import HF_MODEL_TYPES, get
     cls = get(HF_MODEL_TYPES[arch]).model()
     assert any(getattr(cls, f) is not getattr(MoETransformer, f) for f in ("attention", "qk_norm", "mixer"))
+
+
+def test_a_resident_model_issues_no_prefetch_and_keeps_its_tokens(packs):
+    """With every block resident nothing can be loaded or evicted, so `auto` prefetch (and its
+    router lookahead) is skipped: no probes are counted, and the logits are those of a runtime
+    without prefetch."""
+    pack = packs[("qwen3_moe", "Q4_K_M")]
+    out = {}
+    for prefetch in ("auto", "none"):
+        rt = Runtime(pack, RuntimeOptions(context=128, prefill_chunk=8, expert_cache_percent=100, prefetch=prefetch))
+        try:
+            rt.cache.preload()
+            assert rt.cache.complete()
+            before = rt.cache.stats()
+            out[prefetch] = [rt.forward(PROMPT)] + [rt.forward([t], kind="decode") for t in DECODE]
+            after = rt.cache.stats()
+            assert after["prefetch_probes"] == before["prefetch_probes"]
+            assert after["prefetch_issued"] == before["prefetch_issued"] and after["misses"] == before["misses"]
+        finally:
+            rt.close()
+    assert all(torch.equal(a, b) for a, b in zip(out["auto"], out["none"]))
