@@ -114,7 +114,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float
     T, H, D = q.shape
     G, S = keys.shape[0], keys.shape[1]
     low = keys.dtype != torch.float32
-    qg = q.view(T, G, H // G, D).permute(1, 2, 0, 3).reshape(G, H // G * T, D)
+    # [G, H/G*T, D]; one token is that layout already (the permute and copy would be no-ops)
+    qg = q.view(G, H // G, D) if T == 1 else q.view(T, G, H // G, D).permute(1, 2, 0, 3).reshape(G, H // G * T, D)
     if low:
         qg = qg.to(keys.dtype)
     scores = torch.bmm(qg.float(), keys.transpose(1, 2).float()) * scale          # [G, H/G*T, S]
@@ -129,6 +130,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float
     if low:
         probs = probs.to(vals.dtype)
     out = torch.bmm(probs.float(), vals.float())                                 # [G, H/G*T, D]
+    if T == 1:
+        return out.view(1, H * D)
     return out.view(G, H // G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)
 
 
