@@ -7,15 +7,11 @@ from mawforge.archs.spec import Arch
 
 
 def model() -> type:
-    import torch
-
-    from mawforge.models.base import MoETransformer, rms_norm
+    # the whole-projection q/k RMSNorm is the shared `qk_norm` hook's "full" kind (cfg.qk_norm)
+    from mawforge.models.base import MoETransformer
 
     class Olmoe(MoETransformer):
-        def qk_norm(self, layer: int, q: torch.Tensor, k: torch.Tensor):
-            p, eps = f"blk.{layer}.", self.cfg.norm_eps
-            return (rms_norm(q, self.w.dense(p + "attn_q_norm.weight"), eps),
-                    rms_norm(k, self.w.dense(p + "attn_k_norm.weight"), eps))
+        pass
 
     return Olmoe
 

@@ -17,17 +17,12 @@ def required(cfg, layer: int) -> tuple:
 
 
 def model() -> type:
-    """The model class; torch and the model code load here, not when the registry is read."""
-    import torch
-
-    from mawforge.models.base import MoETransformer, rms_norm
+    """The model class; torch and the model code load here, not when the registry is read.
+    The per-head q/k RMSNorm is the shared `qk_norm` hook's "head" kind (cfg.qk_norm below)."""
+    from mawforge.models.base import MoETransformer
 
     class Qwen3Moe(MoETransformer):
-        def qk_norm(self, layer: int, q: torch.Tensor, k: torch.Tensor):
-            cfg, T, p = self.cfg, q.shape[0], f"blk.{layer}."
-            q = rms_norm(q.view(T, cfg.n_heads, cfg.head_dim), self.w.dense(p + "attn_q_norm.weight"), cfg.norm_eps)
-            k = rms_norm(k.view(T, cfg.n_kv_heads, cfg.head_dim), self.w.dense(p + "attn_k_norm.weight"), cfg.norm_eps)
-            return q.reshape(T, -1), k.reshape(T, -1)
+        pass
 
     return Qwen3Moe
 

@@ -55,6 +55,7 @@ class ExpertCache:
         self.prefetch_stall_seconds = 0.0   # wall time computing waited on in-flight prefetches
         self.demand_loaded_bytes = 0
         self.prefill_keys: set[Key] = set()  # distinct blocks prefill steps routed to (reset per request)
+        self.n_blocks = sum(len(lb.offsets) for lb in index.layers)
         self._templates = [[(t.name, t.codec, QT[t.qtype], tuple(t.shape),
                              [p.offset for p in t.parts],
                              [quants.PartSpec(p.name, p.dtype, p.shape) for p in t.parts])
@@ -191,6 +192,11 @@ class ExpertCache:
         """Bytes of the distinct blocks prefill routed to since `prefill_keys` was cleared: what
         a prefill that read each needed block once would read."""
         return sum(self.slot_bytes[layer] for layer, _ in self.prefill_keys)
+
+    def complete(self) -> bool:
+        """Every block of the model is resident. It then stays so (nothing is left to load, so
+        nothing is evicted), and a prefetch could only probe blocks already there."""
+        return len(self.core) == self.n_blocks
 
     def read_wait_seconds(self) -> float:
         """Wall time the compute has waited on expert reads so far: demand loads of misses plus

@@ -131,7 +131,13 @@ class Runtime:
         one = kind == "decode" and len(tokens) == 1
         gov = self.governor if one else None
         pgov = self.prefetch_governor if one else None
-        self.cache.driver.enabled = pgov.before_step() if pgov is not None else True
+        if self.cache.complete():
+            # a resident model: prefetch would only probe (and router lookahead cost a router
+            # GEMV a layer), so none is issued and the governor has nothing to measure
+            pgov = None
+            self.cache.driver.enabled = False
+        else:
+            self.cache.driver.enabled = pgov.before_step() if pgov is not None else True
         # auto prefetch times only steps at the thread governor's settled count, so a thread
         # probe's slow window is not charged to the prefetch state that happened to run beside it
         timed = pgov is not None and (gov is None or gov.settled())

@@ -16,6 +16,7 @@ from mawforge.archs import get
 from mawforge.formats.config import ModelConfig
 from mawforge.formats.required import check_required
 from mawforge.kernels import linear, native
+from mawforge.models.fastpath import DecodeAttention
 from mawforge.models.moe import MoEBlock
 
 
@@ -62,6 +63,12 @@ class Rope:
         self.cos = (ang.cos().float() * self.mscale).contiguous()                 # [P, D/2]
         self.sin = (ang.sin().float() * self.mscale).contiguous()
 
+    def at(self, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [D/2] of position p (the rows __call__ rotates that position by)."""
+        if p >= self.cos.shape[0]:
+            self._grow(p + 1)
+        return self.cos[p], self.sin[p]
+
     def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:   # x [T, H, D], pos [T]
         end = int(pos[-1]) + 1 if pos.numel() else 0
         if end > self.cos.shape[0]:
@@ -107,7 +114,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float
     T, H, D = q.shape
     G, S = keys.shape[0], keys.shape[1]
     low = keys.dtype != torch.float32
-    qg = q.view(T, G, H // G, D).permute(1, 2, 0, 3).reshape(G, H // G * T, D)
+    # [G, H/G*T, D]; one token is that layout already (the permute and copy would be no-ops)
+    qg = q.view(G, H // G, D) if T == 1 else q.view(T, G, H // G, D).permute(1, 2, 0, 3).reshape(G, H // G * T, D)
     if low:
         qg = qg.to(keys.dtype)
     scores = torch.bmm(qg.float(), keys.transpose(1, 2).float()) * scale          # [G, H/G*T, S]
@@ -122,6 +130,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float
     if low:
         probs = probs.to(vals.dtype)
     out = torch.bmm(probs.float(), vals.float())                                 # [G, H/G*T, D]
+    if T == 1:
+        return out.view(1, H * D)
     return out.view(G, H // G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)
 
 
@@ -172,6 +182,8 @@ class MoETransformer:
         self.scale = cfg.head_dim ** -0.5
         self.router_hook = None    # set by the runtime for next-layer lookahead prefetch
         self.layers = bind_layers(cfg, weights)
+        # the one-token attention step in one native call, where it gives the same bits (fastpath.py)
+        self.decode_attention = DecodeAttention.plan(self)
 
     # ---- hooks -------------------------------------------------------------------------
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -181,10 +193,21 @@ class MoETransformer:
         return self.w.embed(tokens)                                               # [T, C] f32
 
     def qk_norm(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return q, k
+        """RMSNorm of q and k [T, H*D] / [T, G*D] before RoPE, as cfg.qk_norm says: "head" per
+        head (Qwen3-MoE), "full" over the whole projection (OLMoE), "none" not at all."""
+        cfg = self.cfg
+        if cfg.qk_norm == "none":
+            return q, k
+        nq, nk = self._bound(layer, "attn_q_norm.weight"), self._bound(layer, "attn_k_norm.weight")
+        if cfg.qk_norm == "full":
+            return rms_norm(q, nq, cfg.norm_eps), rms_norm(k, nk, cfg.norm_eps)
+        T = q.shape[0]
+        q = rms_norm(q.view(T, cfg.n_heads, cfg.head_dim), nq, cfg.norm_eps)
+        k = rms_norm(k.view(T, cfg.n_kv_heads, cfg.head_dim), nk, cfg.norm_eps)
+        return q.reshape(T, -1), k.reshape(T, -1)
 
     def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = h @ self.w.dense(f"blk.{layer}.ffn_gate_inp.weight").T           # [T, E]
+        logits = h @ self._bound(layer, "ffn_gate_inp.weight").T                  # [T, E]
         return route_softmax_topk(logits, self.cfg.top_k, self.cfg.norm_topk_prob)
 
     def beside_experts(self, layer: int, h: torch.Tensor) -> torch.Tensor | None:
@@ -214,6 +237,12 @@ class MoETransformer:
         pass
 
     # ---- blocks ------------------------------------------------------------------------
+    def _bound(self, layer: int, suffix: str):
+        """blk.{layer}.{suffix} as bound at load (a dict lookup, no name formatting), or looked
+        up by name where the architecture's `required` does not list it."""
+        w = self.layers[layer].get(suffix) if layer < len(self.layers) else None
+        return w if w is not None else self.w.bind(f"blk.{layer}.{suffix}")
+
     def proj(self, name: str, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.w.packed(name))
         b = self.w.maybe_dense(name.replace(".weight", ".bias"))
@@ -223,13 +252,18 @@ class MoETransformer:
         cfg, T = self.cfg, x.shape[0]
         H, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         p = f"blk.{layer}."
-        q = self.proj(p + "attn_q.weight", x).float()                             # [T, H*D]
-        k = self.proj(p + "attn_k.weight", x).float()                             # [T, G*D]
-        v = self.proj(p + "attn_v.weight", x).float()
-        q, k = self.qk_norm(layer, q, k)
-        q = self.rope(q.view(T, H, D), pos)
-        k = self.rope(k.view(T, G, D), pos)
-        keys, vals = kv.append(layer, k, v.view(T, G, D))                          # [G, S, D]
+        fast = self.decode_attention
+        if fast is not None and T == 1 and x.dtype == torch.float32 and layer < len(fast.layers):
+            q, k, v = fast.qkv(layer, x, pos)                                     # [1, H, D], [1, G, D] x2
+        else:
+            q = self.proj(p + "attn_q.weight", x).float()                         # [T, H*D]
+            k = self.proj(p + "attn_k.weight", x).float()                         # [T, G*D]
+            v = self.proj(p + "attn_v.weight", x).float()
+            q, k = self.qk_norm(layer, q, k)
+            q = self.rope(q.view(T, H, D), pos)
+            k = self.rope(k.view(T, G, D), pos)
+            v = v.view(T, G, D)
+        keys, vals = kv.append(layer, k, v)                                        # [G, S, D]
         out = attend(q, keys, vals, self.scale)                                    # [T, H*D]
         return self.proj(p + "attn_output.weight", out)
 

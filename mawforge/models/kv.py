@@ -84,8 +84,8 @@ class KVCache:
         T = k.shape[0]
         end = self.pos + T
         kc, vc = self.k[layer], self.v[layer]
-        kc[:, self.pos:end] = k.transpose(0, 1).to(kc.dtype)
-        vc[:, self.pos:end] = v.transpose(0, 1).to(vc.dtype)
+        kc[:, self.pos:end].copy_(k.transpose(0, 1))      # copy_ converts as .to() does, in place
+        vc[:, self.pos:end].copy_(v.transpose(0, 1))
         return kc[:, :end], vc[:, :end]
 
     def append_latent(self, layer: int, c: torch.Tensor) -> torch.Tensor:

@@ -31,8 +31,15 @@ class MoEBlock:
     """`experts(layer, x, idx, w)` for a model: x [T, C], idx/w [T, k] -> [T, C], the weighted
     sum of each token's routed experts. `expert_fn()` gives the model's per-expert function."""
 
+    # bound native arguments per resident block, so a decode step does not re-derive the types
+    # and 24 pointers of a layer's experts: id(parts) -> (parts, types, (gate, up, down) pointers).
+    # The entry holds `parts`, so its id is not reused while it is here; a block the cache
+    # re-binds gets a new parts dict and a new entry. Cleared when it grows past MEMO_MAX.
+    MEMO_MAX = 1 << 14
+
     def __init__(self, cache, expert_fn: Callable[[], Callable | None]):
         self.cache, self.expert_fn = cache, expert_fn
+        self._memo: dict[int, tuple] = {}
 
     def __call__(self, layer: int, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         fn = self.expert_fn()
@@ -61,23 +68,15 @@ class MoEBlock:
         """All of a group's experts in one native call (decode, verify, small prefill chunks),
         where the blocks are GGUF types the native kernels take. Returns False (nothing done)
         otherwise."""
-        if not keys:
+        if not keys or x.shape[0] > kernels.NATIVE_MAX_M:
             return False
-        blocks = [self.cache.weights(key) for key in keys]
-        parts = blocks[0]
-        types = kernels.native_swiglu_types(parts, x.shape[0])
-        if types is None:
+        bound = [self._bound(self.cache.weights(key)) for key in keys]
+        types, f = bound[0][1], bound[0][3]
+        if types is None or any(b[1] != types or b[3] != f for b in bound):
             return False
-        fused = "gate_up" in parts
-        f = parts["down"].shape[1]
         batch = native.ExpertBatch(types, f, x.shape[1])
-        for p in blocks:
-            if fused:
-                g = p["gate_up"].parts["blocks"]
-                batch.add(g.data_ptr(), g[f:].data_ptr(), p["down"].parts["blocks"].data_ptr())
-            else:
-                batch.add(p["gate"].parts["blocks"].data_ptr(), p["up"].parts["blocks"].data_ptr(),
-                          p["down"].parts["blocks"].data_ptr())
+        for b in bound:
+            batch.add(*b[2])
         if x.shape[0] == 1:      # decode: one pair per expert
             slot_of = {int(e): j for j, e in enumerate(idx_np[0])}
             wt = np.array([w_np[0, slot_of[e]] for _, e in keys], dtype=np.float32)
@@ -89,3 +88,23 @@ class MoEBlock:
         wts = (hit * w_np[None]).sum(-1, dtype=np.float32)                     # [E, T]
         native.moe_ffn(x, batch, wts, out)
         return True
+
+    def _bound(self, parts: dict) -> tuple:
+        """(parts, GGUF types or None, (gate, up, down) pointers, F) of one resident block."""
+        hit = self._memo.get(id(parts))
+        if hit is not None and hit[0] is parts:
+            return hit
+        types = kernels.native_swiglu_types(parts, 1)
+        ptrs, f = None, None
+        if types is not None:
+            f = parts["down"].shape[1]
+            if "gate_up" in parts:
+                g = parts["gate_up"].parts["blocks"]
+                ptrs = (g.data_ptr(), g[f:].data_ptr(), parts["down"].parts["blocks"].data_ptr())
+            else:
+                ptrs = (parts["gate"].parts["blocks"].data_ptr(), parts["up"].parts["blocks"].data_ptr(),
+                        parts["down"].parts["blocks"].data_ptr())
+        if len(self._memo) >= self.MEMO_MAX:
+            self._memo.clear()
+        hit = self._memo[id(parts)] = (parts, types, ptrs, f)
+        return hit

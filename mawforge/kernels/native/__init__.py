@@ -6,9 +6,11 @@ dot product in integers (kquant_gemm.c explains the arithmetic).
 * `moe_ffn(x, experts, out)`: a layer's routed SwiGLU experts in one call (decode and small
   batches): gate/up rows of every expert, then down rows, in one OpenMP region, so a layer's
   experts cost one Python call instead of a dozen small torch ops per expert.
+* `attn_qkv(...)` (decode_step.c): one token's q/k/v projections, q/k RMSNorm and RoPE in one
+  call, through the same kernels as the separate calls (the same bits, fewer crossings).
 
-The C source is compiled on first use with the system's C compiler into a cache directory
-($MAWFORGE_CACHE or ~/.cache/mawforge), keyed by the source, the compiler flags, the compiler's
+The C sources are compiled on first use with the system's C compiler into a cache directory
+($MAWFORGE_CACHE or ~/.cache/mawforge), keyed by the sources, the compiler flags, the compiler's
 version and this CPU's feature flags (so a library built on one CPU is never loaded on another),
 and loaded with ctypes. `-march=native` first (the AVX2 path where the CPU has it); if the
 compiler rejects that, the portable `-march=x86-64` build (the same integer arithmetic in plain
@@ -32,7 +34,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-SOURCE = Path(__file__).with_name("kquant_gemm.c")
+# every source compiled into the one library (the cache key covers all of them)
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("kquant_gemm.c", "decode_step.c"))
 # MAWFORGE_NATIVE_MARCH=x86-64 builds the portable scalar path (tests compare the two)
 MARCHES = [os.environ["MAWFORGE_NATIVE_MARCH"]] if os.environ.get("MAWFORGE_NATIVE_MARCH") else ["native", "x86-64"]
 BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
@@ -51,7 +54,9 @@ _SIGNATURES = (("qgemm", [_I, _P, _I, _I, _P, _I, _P]),
                ("quantize_acts", [_I, _P, _I, _P, _P, _P]),
                ("supported", [_I]), ("simd_path", []), ("set_threads", [_I]),
                ("rms_norm_rows", [_P, _I, _I, _P, ctypes.c_float, _P]),
-               ("rope_rows", [_P, _I, _I, _I, _P, _P, _I, _P]))
+               ("rope_rows", [_P, _I, _I, _I, _P, _P, _I, _P]),
+               ("attn_qkv", [_P, _I, _P, _I, _P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _P, _P, ctypes.c_float,
+                             _P, _P, _I, _P, _P, _P]))
 _VOID = ("set_threads", "rms_norm_rows", "rope_rows")
 
 
@@ -78,7 +83,7 @@ def _compile(cc: str, march: str, cache: Path) -> tuple[Path | None, str]:
     """The cached library for this source, flags, compiler and CPU, compiled if missing.
     Returns (path, "") or (None, the compiler's message)."""
     flags = [*BASE_FLAGS, f"-march={march}"]
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _compiler_version(cc).encode()
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(flags).encode() + _compiler_version(cc).encode()
                          + cpu_flags().encode()).hexdigest()[:16]
     lib = cache / f"kquant_gemm-{key}.so"
     if lib.exists():
@@ -87,7 +92,7 @@ def _compile(cc: str, march: str, cache: Path) -> tuple[Path | None, str]:
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         out = Path(tmp) / lib.name
         try:
-            r = subprocess.run([cc, *flags, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
+            r = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True)
         except OSError as e:
             return None, f"{cc}: {e}"
         if r.returncode != 0:
@@ -117,7 +122,7 @@ def _build() -> ctypes.CDLL | None:
             lib, err = None, str(e)
         _report(f"build with -march={march} failed:\n{err}")
     else:
-        _why = f"compiling {SOURCE.name} failed with {cc} (-march={', '.join(MARCHES)}); see the messages above"
+        _why = f"compiling {', '.join(s.name for s in SOURCES)} failed with {cc} (-march={', '.join(MARCHES)}); see the messages above"
         _report(f"{_why}; using the torch dequantize-and-multiply path")
         return None
     for name, args in _SIGNATURES:
@@ -259,3 +264,23 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> t
     t, h, d = xf.shape
     library().rope_rows(xf.data_ptr(), t, h, d, c.data_ptr(), s.data_ptr(), int(neox), y.data_ptr())
     return y
+
+
+def attn_qkv(x: torch.Tensor, ws: tuple, biases: tuple, heads: tuple[int, int, int], norm: tuple,
+             cos: torch.Tensor, sin: torch.Tensor, neox: bool, out: torch.Tensor) -> None:
+    """One token's attention inputs in one call: x [1, C] float32 contiguous; ws: (q, k, v) as
+    (raw uint8 rows, GGML type); biases: float32 [N] or None each; heads (H, G, D); norm
+    (kind 0 none / 1 per head / 2 whole projection, q weight, k weight, eps); cos/sin [D/2] of
+    this position. Writes q [H*D], k [G*D], v [G*D] into out [(H+2G)*D] float32, in that order."""
+    lib = library()
+    _sync_threads(lib)
+    h, g, d = heads
+    kind, nq, nk, eps = norm
+    (wq, tq), (wk, tk), (wv, tv) = ws
+    ptr = lambda t: None if t is None else t.data_ptr()
+    o = out.data_ptr()
+    rc = lib.attn_qkv(x.data_ptr(), x.shape[1], wq.data_ptr(), tq, wk.data_ptr(), tk, wv.data_ptr(), tv,
+                      *map(ptr, biases), h, g, d, kind, ptr(nq), ptr(nk), eps, cos.data_ptr(), sin.data_ptr(),
+                      int(neox), o, o + 4 * h * d, o + 4 * (h + g) * d)
+    if rc != 0:
+        raise ValueError(f"native attn_qkv cannot run types {(tq, tk, tv)} with C={x.shape[1]}")
