@@ -2,8 +2,9 @@
 GGUF quant types against ggml's own CPU mul_mat on the same bytes (libggml from
 llama-cpp-python, timed in a child process with the same thread count: the peer).
 
-Qwen3-30B-A3B expert matrices (gate/up 768x2048, down 2048x768), decode (M=1) and prefill
-(M=64). Prints a table of ms, ratio to dense bf16, ggml ms and our/ggml ratio, and effective
+Qwen3-30B-A3B expert matrices (gate/up 768x2048, down 2048x768; --shapes for others), decode
+(M=1) and prefill (M=64); the weights stay in L2/L3 across repeats (benchmarks/moe_ffn.py reads
+them from DRAM). Prints a table of ms, ratio to dense bf16, ggml ms and our/ggml ratio, and effective
 GB/s of packed bytes, and writes JSON lines with --out. Run on purpose, never from the tests:
 
     .venv/bin/python benchmarks/kernels.py --threads 2 [--types Q4_K,Q8_0] [--out r.jsonl]
@@ -30,7 +31,6 @@ from mawforge.kernels import cpu  # noqa: E402
 from test_quants import pack, source_bytes  # noqa: E402
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"]
-SHAPES = [(768, 2048), (2048, 768)]
 
 
 def timed(fn, min_s: float = 0.2) -> float:
@@ -54,6 +54,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--tokens", default="1,64")
+    ap.add_argument("--shapes", default="768x2048,2048x768",
+                    help="N x K list; the attention projections are 4096x2048,512x2048,2048x4096")
     ap.add_argument("--layout", default="exact", choices=["exact", "int4pack"])
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -64,7 +66,7 @@ def main() -> int:
           f"{'ggml ms':>8} {'x ggml':>6} {'GB/s':>6}")
     for name in args.types.split(","):
         t = T[name]
-        for shape in SHAPES:
+        for shape in [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]:
             codec = quants.choose_codec(t, args.layout, shape)
             w = pack(codec, source_bytes(t, shape), t, shape)
             dense = torch.randn(shape, dtype=torch.bfloat16)

@@ -220,6 +220,57 @@ def test_batched_rows_equal_single_rows_bit_for_bit(qt):
     assert torch.equal(batched, single)
 
 
+@pytest.mark.parametrize("qt", TYPES)
+def test_paired_weight_rows_equal_one_row_calls_bit_for_bit(qt):
+    """qgemm runs weight rows in pairs (Q4_K, Q5_K, Q6_K: one pass over two rows sharing x) and
+    four rows of x at a time; every element must be what the one-row kernel gives alone (one
+    weight row, one row of x: the path ggml's oracle test pins to ggml's bits)."""
+    for n, k in ((7, 256), (48, 512), (33, 768)):
+        raw = _random_rows(qt, n, k, seed=n)
+        x = torch.randn(64, k, generator=torch.Generator().manual_seed(k)) * 3
+        single = torch.stack([torch.cat([native.gemm(x[i:i + 1], raw[j:j + 1], qt, 1, k)[0] for j in range(n)])
+                              for i in range(64)])
+        for m in (1, 2, 3, 4, 5, 8, 64):
+            assert torch.equal(native.gemm(x[:m], raw, qt, n, k), single[:m]), (n, k, m)
+
+
+def _expf32(v: np.ndarray) -> np.ndarray:
+    """The C library's expf, element by element (the kernels call it; numpy's exp rounds
+    differently in the last bit)."""
+    import ctypes
+    import ctypes.util
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    libm.expf.argtypes, libm.expf.restype = [ctypes.c_float], ctypes.c_float
+    return np.array([libm.expf(float(a)) for a in v.reshape(-1)], np.float32).reshape(v.shape)
+
+
+@pytest.mark.parametrize("types", [(T.Q4_K, T.Q4_K, T.Q6_K), (T.Q4_K, T.Q4_K, T.Q4_K),
+                                   (T.Q5_K, T.Q5_K, T.Q6_K), (T.Q4_K, T.Q5_K, T.Q6_K)])
+def test_moe_ffn_is_its_gemms_bit_for_bit(types):
+    """moe_ffn (gate and up rows in one pass, down rows in pairs, four tokens at a time) against
+    its definition in float32 from one-matrix gemm calls: h = g / (1 + expf(-g)) * u, then
+    out[t] += wt * (down . h) expert by expert, with the same roundings, for M from 1 to 64."""
+    rng = np.random.default_rng(5)
+    c, f, e = 512, 256, 4
+    experts = _expert_set(rng, f, c, types, e)
+    batch = native.ExpertBatch(types, f, c)
+    for g, u, d in experts:
+        batch.add(g.data_ptr(), u.data_ptr(), d.data_ptr())
+    for m in (1, 2, 3, 4, 5, 8, 64):
+        x = torch.randn(m, c, generator=torch.Generator().manual_seed(m))
+        wts = rng.random((e, m)).astype(np.float32)
+        wts[:, m // 2:][rng.random((e, m - m // 2)) < 0.5] = 0.0   # the later tokens skip some experts
+        out = torch.full((m, c), 0.25)
+        native.moe_ffn(x, batch, wts, out)
+        want = np.full((m, c), 0.25, np.float32)
+        for i, (g, u, d) in enumerate(experts):
+            for t in np.nonzero(wts[i])[0]:
+                gv = native.gemm(x[t:t + 1], g, types[0], f, c).numpy()
+                uv = native.gemm(x[t:t + 1], u, types[1], f, c).numpy()
+                h = gv / (np.float32(1) + _expf32(-gv)) * uv
+                want[t] += wts[i, t] * native.gemm(torch.from_numpy(h), d, types[2], c, f).numpy()[0]
+        assert np.array_equal(out.numpy(), want), m
+
 def test_native_rms_norm_equals_the_torch_path():
     """RMSNorm in one native call (decode steps): the torch code's values up to the last bit of
     the mean (the C loop sums the squares in order, as ggml does; torch's float64 sum in

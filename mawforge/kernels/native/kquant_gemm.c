@@ -204,18 +204,6 @@ static inline void k_scale_min(int j, const uint8_t *q, int *sc, int *m) {
     else { *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4); *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); }
 }
 
-/* the 8 six-bit scales and 8 six-bit mins of a Q4_K / Q5_K block, unpacked four bytes at a time */
-static inline void k_scales(const uint8_t *q, uint8_t sc[8], uint8_t mn[8]) {
-    uint32_t u[3], o[4];
-    memcpy(u, q, 12);
-    o[0] = u[0] & 0x3f3f3f3fu;
-    o[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-    o[2] = u[1] & 0x3f3f3f3fu;
-    o[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-    memcpy(sc, o, 8);
-    memcpy(mn, o + 2, 8);
-}
-
 /* ---- block dot products: one weight row (nb blocks) . one quantized row ------------------- */
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -228,86 +216,138 @@ static inline float hsum_ps(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* sum over the 8 sub-blocks of 32 of mins[j] * (sum of x there), from the sums of 16 */
-static inline __m128 k_mins(const uint8_t *mn, const int16_t *bs) {
-    const __m128i m = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)mn));
-    const __m128i s = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs), _mm_loadu_si128((const __m128i *)(bs + 8)));
-    return _mm_cvtepi32_ps(_mm_madd_epi16(m, s));
-}
-
 static inline float hsum_ps128(__m128 s) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
 
+/* k_scales in vector registers: the 12 scale bytes at q (16 read; the 4 after are the block's
+   own) -> bytes sc0..7, mn0..7, without the round trip through memory that a byte-wise
+   broadcast of each scale costs. */
+static inline __m128i k_scales_v(const uint8_t *q) {
+    const __m128i u = _mm_loadu_si128((const __m128i *)q);                   /* u32 lanes u0 u1 u2 */
+    const __m128i lo = _mm_and_si128(u, _mm_set1_epi8(0x3f));                /* sc0-3, mn0-3 */
+    const __m128i hi = _mm_or_si128(                                          /* sc4-7, mn4-7 */
+        _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(u, 0xaa), _mm_setr_epi32(0, 4, 0, 4)), _mm_set1_epi8(0x0f)),
+        _mm_and_si128(_mm_srli_epi32(u, 2), _mm_set1_epi8(0x30)));            /* bits 6-7 of u0 / u1 */
+    return _mm_unpacklo_epi32(lo, hi);
+}
+
+/* pshufb controls: PICK16[k] broadcasts int16 element k of each 128-bit lane over the lane;
+   PICK16[8 + k] element 2k over the low lane and 2k + 1 over the high one (a table in memory,
+   so the kernels use them as load operands instead of holding eight registers) */
+#define PK(a, b) {(0x0100 + 0x0202 * (a)) * 0x0001000100010001ull, (0x0100 + 0x0202 * (a)) * 0x0001000100010001ull, \
+                  (0x0100 + 0x0202 * (b)) * 0x0001000100010001ull, (0x0100 + 0x0202 * (b)) * 0x0001000100010001ull}
+static const uint64_t PICK16_TABLE[12][4] __attribute__((aligned(32))) = {
+    PK(0, 0), PK(1, 1), PK(2, 2), PK(3, 3), PK(4, 4), PK(5, 5), PK(6, 6), PK(7, 7),
+    PK(0, 1), PK(2, 3), PK(4, 5), PK(6, 7)};
+#undef PK
+static inline __m256i pick16(int k) { return _mm256_load_si256((const __m256i *)PICK16_TABLE[k]); }
+
+/* Block dot products of R weight rows (R = 1 or 2, a constant at every call site) against one
+   quantized row of x: the rows share the loads of x and give the core independent chains.
+   Each row's float operations are those of a one-row loop, in its order (ggml's order: one
+   8-lane fused multiply-add of d * sum per block, mins in a separate 4-lane sum, one horizontal
+   sum at the end), so R does not change a bit of any result; the integer sums are exact. */
+#define RMAX 2
+#define FORCE_INLINE static inline __attribute__((always_inline))
+#define PF_AHEAD 640          /* bytes ahead of the current block to prefetch in each row */
+
 /* Q4_K (144 bytes a block) and Q5_K (176: the same layout plus 32 bytes of fifth bits before
-   the nibbles). `five` is a constant at both call sites, so each gets its own specialization. */
-static inline float dot_k45(const uint8_t *w, int nb, qrow x, const int five) {
+   the nibbles). `five` is a constant at the call sites, so each gets its own specialization. */
+FORCE_INLINE void dot_k45_rows(const uint8_t *const *wr, const int R, int nb, qrow x, float *out, const int five) {
     const __m256i m4 = _mm256_set1_epi8(0xF), m16 = _mm256_set1_epi8(16);
     const int bytes = five ? 176 : 144;
-    __m256 acc = _mm256_setzero_ps();
-    __m128 accm = _mm_setzero_ps();
-    for (int b = 0; b < nb; b++, w += bytes) {
+    __m256 acc[RMAX];
+    __m128 accm[RMAX];
+    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); accm[r] = _mm_setzero_ps(); }
+    for (int b = 0; b < nb; b++) {
         const float xd = x.d[b];
-        const uint8_t *qs = w + (five ? 48 : 16);
         const int8_t *q8 = x.q + b * QK;
-        uint8_t sc[8], mn[8];
-        k_scales(w + 4, sc, mn);
-        accm = _mm_fmadd_ps(_mm_set1_ps(f16(w + 2) * xd), k_mins(mn, x.bs + b * 16), accm);
-        const __m256i hbits = five ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
-        __m256i sumi = _mm256_setzero_si256();
-        for (int j = 0; j < 4; j++) {
-            const __m256i q4 = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-            __m256i lo = _mm256_and_si256(q4, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
-            if (five) {  /* bit 2j of qh[i] adds 16 to the low nibble, bit 2j+1 to the high one */
-                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * j), 4), m16));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * j + 1), 4), m16));
+        const __m128i bsum = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)(x.bs + b * 16)),
+                                            _mm_loadu_si128((const __m128i *)(x.bs + b * 16 + 8)));
+        for (int r = 0; r < R; r++) {
+            const uint8_t *w = wr[r] + (long)b * bytes, *qs = w + (five ? 48 : 16);
+            _mm_prefetch((const char *)(w + PF_AHEAD), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + PF_AHEAD + 64), _MM_HINT_T0);
+            if (five) _mm_prefetch((const char *)(w + PF_AHEAD + 128), _MM_HINT_T0);
+            const __m128i sm = k_scales_v(w + 4);
+            const __m128i mins = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_unpackhi_epi64(sm, sm)), bsum);
+            accm[r] = _mm_fmadd_ps(_mm_set1_ps(f16(w + 2) * xd), _mm_cvtepi32_ps(mins), accm[r]);
+            const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+            const __m256i hbits = five ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
+            __m256i sumi = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                const __m256i q4 = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+                __m256i lo = _mm256_and_si256(q4, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+                if (five) {  /* bit 2j of qh[i] adds 16 to the low nibble, bit 2j+1 to the high one */
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * j), 4), m16));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * j + 1), 4), m16));
+                }
+                const __m256i xl = _mm256_loadu_si256((const __m256i *)(q8 + 64 * j));
+                const __m256i xh = _mm256_loadu_si256((const __m256i *)(q8 + 64 * j + 32));
+                const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_shuffle_epi8(sc, pick16(2 * j)));
+                const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), _mm256_shuffle_epi8(sc, pick16(2 * j + 1)));
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
             }
-            const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(q8 + 64 * j)));
-            const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(q8 + 64 * j + 32)));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pl, _mm256_set1_epi16(sc[2 * j])));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(ph, _mm256_set1_epi16(sc[2 * j + 1])));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(f16(w) * xd), _mm256_cvtepi32_ps(sumi), acc[r]);
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w) * xd), _mm256_cvtepi32_ps(sumi), acc);
     }
-    return hsum_ps(acc) - hsum_ps128(accm);
+    for (int r = 0; r < R; r++) out[r] = hsum_ps(acc[r]) - hsum_ps128(accm[r]);
 }
 
-static float dot_q4k(const uint8_t *w, int nb, qrow x) { return dot_k45(w, nb, x, 0); }
-static float dot_q5k(const uint8_t *w, int nb, qrow x) { return dot_k45(w, nb, x, 1); }
-
-/* 6-bit values (0..63) times int8 with maddubs; the -32 offset comes off through the sums of 16 */
-static float dot_q6k(const uint8_t *w, int nb, qrow x) {
-    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++, w += 210) {
-        const uint8_t *ql = w, *qh = w + 128; const int8_t *sc = (const int8_t *)(w + 192);
+/* Q6_K (210 bytes a block): 6-bit values (0..63) times int8 with maddubs; the -32 offset comes
+   off through the sums of 16 */
+FORCE_INLINE void dot_q6k_rows(const uint8_t *const *wr, const int R, int nb, qrow x, float *out) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
+    __m256 acc[RMAX];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
         const int8_t *q8 = x.q + b * QK;
-        const int16_t *bs = x.bs + b * 16;
-        /* 32 * sum_j sc[j] * (sum of x in sub-block j), subtracted for the -32 offset of the values */
-        __m256i sumi = _mm256_slli_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc)),
-                                                           _mm256_loadu_si256((const __m256i *)bs)), 5);
-        sumi = _mm256_sub_epi32(_mm256_setzero_si256(), sumi);
-        for (int j = 0; j < 2; j++, ql += 64, qh += 32) {
-            const __m256i b1 = _mm256_loadu_si256((const __m256i *)ql), b2 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-            const __m256i bh = _mm256_loadu_si256((const __m256i *)qh);
-            __m256i v[4];
-            v[0] = _mm256_or_si256(_mm256_and_si256(b1, m4), _mm256_slli_epi16(_mm256_and_si256(bh, m2), 4));
-            v[1] = _mm256_or_si256(_mm256_and_si256(b2, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 2), m2), 4));
-            v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 4), m2), 4));
-            v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 6), m2), 4));
-            const int8_t *xq = q8 + 128 * j, *s = sc + 8 * j;
-            for (int k = 0; k < 4; k++) {
-                const __m256i p = _mm256_maddubs_epi16(v[k], _mm256_loadu_si256((const __m256i *)(xq + 32 * k)));
-                const __m256i scl = _mm256_set_m128i(_mm_set1_epi16(s[2 * k + 1]), _mm_set1_epi16(s[2 * k]));
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(scl, p));
+        const __m256i bs = _mm256_loadu_si256((const __m256i *)(x.bs + b * 16));
+        for (int r = 0; r < R; r++) {
+            const uint8_t *w = wr[r] + (long)b * 210;
+            _mm_prefetch((const char *)(w + PF_AHEAD), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + PF_AHEAD + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(w + PF_AHEAD + 128), _MM_HINT_T0);
+            /* 32 * sum_j sc[j] * (sum of x in sub-block j), subtracted for the -32 offset of the values */
+            __m256i sumi = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(
+                _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 192))), bs), 5));
+            for (int j = 0; j < 2; j++) {
+                const uint8_t *ql = w + 64 * j, *qh = w + 128 + 32 * j;
+                const __m256i s16 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(w + 192 + 8 * j))));
+                const __m256i b1 = _mm256_loadu_si256((const __m256i *)ql), b2 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+                const __m256i bh = _mm256_loadu_si256((const __m256i *)qh);
+                __m256i v[4];
+                v[0] = _mm256_or_si256(_mm256_and_si256(b1, m4), _mm256_and_si256(_mm256_slli_epi16(bh, 4), m30));
+                v[1] = _mm256_or_si256(_mm256_and_si256(b2, m4), _mm256_and_si256(_mm256_slli_epi16(bh, 2), m30));
+                v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m4), _mm256_and_si256(bh, m30));
+                v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4), _mm256_and_si256(_mm256_srli_epi16(bh, 2), m30));
+                for (int k = 0; k < 4; k++) {   /* x[32k..32k+15] is sub-block 2k of this half, the rest 2k+1 */
+                    const __m256i p = _mm256_maddubs_epi16(v[k], _mm256_loadu_si256((const __m256i *)(q8 + 128 * j + 32 * k)));
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(_mm256_shuffle_epi8(s16, pick16(8 + k)), p));
+                }
             }
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(f16(w + 208) * x.d[b]), _mm256_cvtepi32_ps(sumi), acc[r]);
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w + 208) * x.d[b]), _mm256_cvtepi32_ps(sumi), acc);
     }
-    return hsum_ps(acc);
+    for (int r = 0; r < R; r++) out[r] = hsum_ps(acc[r]);
 }
+
+static float dot_q4k(const uint8_t *w, int nb, qrow x) { float o; dot_k45_rows(&w, 1, nb, x, &o, 0); return o; }
+static float dot_q5k(const uint8_t *w, int nb, qrow x) { float o; dot_k45_rows(&w, 1, nb, x, &o, 1); return o; }
+static float dot_q6k(const uint8_t *w, int nb, qrow x) { float o; dot_q6k_rows(&w, 1, nb, x, &o); return o; }
+static void dot2_q4k(const uint8_t *w0, const uint8_t *w1, int nb, qrow x, float *o) {
+    const uint8_t *w[2] = {w0, w1}; dot_k45_rows(w, 2, nb, x, o, 0);
+}
+static void dot2_q5k(const uint8_t *w0, const uint8_t *w1, int nb, qrow x, float *o) {
+    const uint8_t *w[2] = {w0, w1}; dot_k45_rows(w, 2, nb, x, o, 1);
+}
+static void dot2_q6k(const uint8_t *w0, const uint8_t *w1, int nb, qrow x, float *o) {
+    const uint8_t *w[2] = {w0, w1}; dot_q6k_rows(w, 2, nb, x, o);
+}
+#define HAVE_DOT2 1
 
 /* Four rows of x against one weight row: each block's scales are unpacked once and its values
    loaded once for all four. Per row, the same float operations in the same order as the one-row
@@ -318,22 +358,25 @@ static void dot4_q4k(const uint8_t *w, int nb, const qrow *x, float *out) {
     __m128 accm[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
     for (int b = 0; b < nb; b++, w += 144) {
         const uint8_t *qs = w + 16;
-        uint8_t sc[8], mn[8];
-        k_scales(w + 4, sc, mn);
+        const __m128i sm = k_scales_v(w + 4);
+        const __m128i mn = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(sm, sm));
+        const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
         const float d = f16(w), dmin = f16(w + 2);
         __m256i sumi[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
-        for (int r = 0; r < 4; r++)
-            accm[r] = _mm_fmadd_ps(_mm_set1_ps(dmin * x[r].d[b]), k_mins(mn, x[r].bs + b * 16), accm[r]);
+        for (int r = 0; r < 4; r++) {
+            const int16_t *bs = x[r].bs + b * 16;
+            const __m128i s = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs), _mm_loadu_si128((const __m128i *)(bs + 8)));
+            accm[r] = _mm_fmadd_ps(_mm_set1_ps(dmin * x[r].d[b]), _mm_cvtepi32_ps(_mm_madd_epi16(mn, s)), accm[r]);
+        }
         for (int j = 0; j < 4; j++) {
             const __m256i q4 = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
             const __m256i lo = _mm256_and_si256(q4, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
-            const __m256i sl = _mm256_set1_epi16(sc[2 * j]), sh = _mm256_set1_epi16(sc[2 * j + 1]);
+            const __m256i sl = _mm256_shuffle_epi8(sc, pick16(2 * j)), sh = _mm256_shuffle_epi8(sc, pick16(2 * j + 1));
             for (int r = 0; r < 4; r++) {
                 const int8_t *q8 = x[r].q + b * QK + 64 * j;
                 const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)q8));
                 const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(q8 + 32)));
-                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(pl, sl));
-                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(ph, sh));
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(_mm256_madd_epi16(pl, sl), _mm256_madd_epi16(ph, sh)));
             }
         }
         for (int r = 0; r < 4; r++)
@@ -343,7 +386,7 @@ static void dot4_q4k(const uint8_t *w, int nb, const qrow *x, float *out) {
 }
 
 static void dot4_q6k(const uint8_t *w, int nb, const qrow *x, float *out) {
-    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
+    const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int b = 0; b < nb; b++, w += 210) {
         const uint8_t *ql = w, *qh = w + 128; const int8_t *sc = (const int8_t *)(w + 192);
@@ -355,14 +398,14 @@ static void dot4_q6k(const uint8_t *w, int nb, const qrow *x, float *out) {
         for (int j = 0; j < 2; j++, ql += 64, qh += 32) {
             const __m256i b1 = _mm256_loadu_si256((const __m256i *)ql), b2 = _mm256_loadu_si256((const __m256i *)(ql + 32));
             const __m256i bh = _mm256_loadu_si256((const __m256i *)qh);
+            const __m256i s16 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8 * j))));
             __m256i v[4];
-            v[0] = _mm256_or_si256(_mm256_and_si256(b1, m4), _mm256_slli_epi16(_mm256_and_si256(bh, m2), 4));
-            v[1] = _mm256_or_si256(_mm256_and_si256(b2, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 2), m2), 4));
-            v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 4), m2), 4));
-            v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bh, 6), m2), 4));
-            const int8_t *s = sc + 8 * j;
+            v[0] = _mm256_or_si256(_mm256_and_si256(b1, m4), _mm256_and_si256(_mm256_slli_epi16(bh, 4), m30));
+            v[1] = _mm256_or_si256(_mm256_and_si256(b2, m4), _mm256_and_si256(_mm256_slli_epi16(bh, 2), m30));
+            v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m4), _mm256_and_si256(bh, m30));
+            v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4), _mm256_and_si256(_mm256_srli_epi16(bh, 2), m30));
             for (int k = 0; k < 4; k++) {
-                const __m256i scl = _mm256_set_m128i(_mm_set1_epi16(s[2 * k + 1]), _mm_set1_epi16(s[2 * k]));
+                const __m256i scl = _mm256_shuffle_epi8(s16, pick16(8 + k));
                 for (int r = 0; r < 4; r++) {
                     const int8_t *xq = x[r].q + b * QK + 128 * j + 32 * k;
                     const __m256i p = _mm256_maddubs_epi16(v[k], _mm256_loadu_si256((const __m256i *)xq));
@@ -493,6 +536,19 @@ int simd_path(void) { return 0; }
 
 typedef float (*dot_fn)(const uint8_t *, int, qrow);
 typedef void (*dot4_fn)(const uint8_t *, int, const qrow *, float *);
+typedef void (*dot2_fn)(const uint8_t *, const uint8_t *, int, qrow, float *);
+
+/* the two-weight-row kernel of a type, where there is one (else callers run the one-row kernel
+   twice, which gives the same bits) */
+static dot2_fn dot2_for(int type) {
+#ifdef HAVE_DOT2
+    if (type == T_Q4_K) return dot2_q4k;
+    if (type == T_Q5_K) return dot2_q5k;
+    if (type == T_Q6_K) return dot2_q6k;
+#endif
+    (void)type;
+    return 0;
+}
 
 /* the four-row kernel of a type, where there is one (else callers run the one-row kernel) */
 static dot4_fn dot4_for(int type) {
@@ -537,22 +593,34 @@ int qgemm(int type, const float *x, int M, int K, const uint8_t *w, int N, float
     uint8_t *buf = scratch_for(qb * (size_t)M);
     if (!buf) return -2;
     const dot4_fn dot4 = dot4_for(type);
+    const dot2_fn dot2 = dot2_for(type);
     #pragma omp parallel num_threads(team_size())
     {
         #pragma omp for schedule(static)
         for (int m = 0; m < M; m++) quant_row(type, x + (long)m * K, K, qrow_at(buf + qb * m, K));
+        /* weight rows in pairs (each thread a contiguous run of them): four rows of x at a time
+           against one weight row, the rest of x against both rows of the pair */
         #pragma omp for schedule(static)
-        for (int n = 0; n < N; n++) {
-            int m = 0;
-            if (dot4)
-                for (; m + 4 <= M; m += 4) {
+        for (int n2 = 0; n2 < (N + 1) / 2; n2++) {
+            const int n0 = 2 * n2, n1 = n0 + 1 < N ? n0 + 2 : n0 + 1, m4 = dot4 ? M - M % 4 : 0;
+            for (int n = n0; n < n1; n++)
+                for (int m = 0; m < m4; m += 4) {
                     const qrow xr[4] = {qrow_at(buf + qb * m, K), qrow_at(buf + qb * (m + 1), K),
                                         qrow_at(buf + qb * (m + 2), K), qrow_at(buf + qb * (m + 3), K)};
                     float o[4];
                     dot4(w + rb * n, nb, xr, o);
                     for (int r = 0; r < 4; r++) y[(long)(m + r) * N + n] = o[r];
                 }
-            for (; m < M; m++) y[(long)m * N + n] = dot(w + rb * n, nb, qrow_at(buf + qb * m, K));
+            for (int m = m4; m < M; m++) {
+                const qrow xr = qrow_at(buf + qb * m, K);
+                if (dot2 && n1 == n0 + 2) {
+                    float o[2];
+                    dot2(w + rb * n0, w + rb * (n0 + 1), nb, xr, o);
+                    y[(long)m * N + n0] = o[0];
+                    y[(long)m * N + n0 + 1] = o[1];
+                } else
+                    for (int n = n0; n < n1; n++) y[(long)m * N + n] = dot(w + rb * n, nb, xr);
+            }
         }
     }
     return 0;
@@ -573,6 +641,7 @@ int moe_ffn(const float *x, int M, int C, int F, int E,
         || F % (act_kind(td) ? QK : Q80)) return -1;
     const int P = first[E];
     const dot4_fn d4g = dot4_for(tg), d4u = dot4_for(tu), d4d = dot4_for(td);
+    const dot2_fn d2gu = tg == tu ? dot2_for(tg) : 0, d2d = dot2_for(td);
     const size_t qc = qrow_bytes(C), qf = qrow_bytes(F);
     const int two = act_kind(tg) != act_kind(tu);           /* gate and up want different activation types */
     const size_t need = qc * M * (1 + two) + sizeof(float) * (size_t)P * F + qf * (size_t)P;
@@ -604,17 +673,21 @@ int moe_ffn(const float *x, int M, int C, int F, int E,
                     for (int r = 0; r < 4; r++) h[(long)(p + r) * F + n] = g[r] / (1.f + expf(-g[r])) * u[r];
                 }
             for (; p < first[e + 1]; p++) {
-                const float g = dg(gate[e] + rbg * n, nbg, qrow_at(xg + qc * tok[p], C));
-                const float u = du(up[e] + rbu * n, nbu, qrow_at(xu + qc * tok[p], C));
-                h[(long)p * F + n] = g / (1.f + expf(-g)) * u;
+                float gu[2];
+                if (d2gu)      /* gate and up rows of one type: one pass over both, sharing x */
+                    d2gu(gate[e] + rbg * n, up[e] + rbu * n, nbg, qrow_at(xg + qc * tok[p], C), gu);
+                else {
+                    gu[0] = dg(gate[e] + rbg * n, nbg, qrow_at(xg + qc * tok[p], C));
+                    gu[1] = du(up[e] + rbu * n, nbu, qrow_at(xu + qc * tok[p], C));
+                }
+                h[(long)p * F + n] = gu[0] / (1.f + expf(-gu[0])) * gu[1];
             }
         }
         #pragma omp for schedule(static)
         for (int p = 0; p < P; p++) quant_row(td, h + (long)p * F, F, qrow_at(hq + qf * p, F));
         /* each thread owns a contiguous range of output features and sweeps each expert's down
            rows in that range in order (one memory stream at a time); every out element still
-           adds the experts in order e = 0, 1, ... */
-        #pragma omp barrier
+           adds the experts in order e = 0, 1, ... (the loop above ends in a barrier) */
         {
             const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
             const int c0 = (int)((long)C * tid / nth), c1 = (int)((long)C * (tid + 1) / nth);
@@ -632,8 +705,16 @@ int moe_ffn(const float *x, int M, int C, int F, int E,
                     }
                 for (; p < first[e + 1]; p++) {
                     const qrow rh = qrow_at(hq + qf * p, F);
-                    for (int c = c0; c < c1; c++)
-                        out[(long)tok[p] * C + c] += wt[p] * dd(down[e] + rbd * c, nbd, rh);
+                    float *o = out + (long)tok[p] * C;
+                    int c = c0;
+                    if (d2d)
+                        for (; c + 2 <= c1; c += 2) {
+                            float v[2];
+                            d2d(down[e] + rbd * c, down[e] + rbd * (c + 1), nbd, rh, v);
+                            o[c] += wt[p] * v[0];
+                            o[c + 1] += wt[p] * v[1];
+                        }
+                    for (; c < c1; c++) o[c] += wt[p] * dd(down[e] + rbd * c, nbd, rh);
                 }
             }
         }
