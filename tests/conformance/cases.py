@@ -42,6 +42,14 @@ class Llama:
     # quantized: also within 0.03 of llama.cpp's own batched-vs-one-token agreement, >= 0.99 where
     # llama.cpp's top-2 margin >= 0.1 (see test_shared.test_llama_cpp_agrees_teacher_forced)
     self_check: bool = False
+    # int4pack transcodes Q4_K to torch's int4 kernel with each scale and min rounded to bf16
+    # (relative 2^-9 on top of llama.cpp's own rounding), so its fixed bound is this much lower;
+    # the self-check bounds above still apply unchanged. Measured mixtral Q4_K_M int4pack: 0.9467
+    # on AMD Zen 3 (AVX2 llama.cpp build, 2026-12-01) where llama.cpp agrees with itself on 0.97.
+    int4pack_slack: float = 0.02
+
+    def bound(self, layout: str) -> float:
+        return self.min_top1 - (self.int4pack_slack if layout == "int4pack" else 0.0)
 
 
 @dataclass(frozen=True)
