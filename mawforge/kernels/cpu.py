@@ -30,19 +30,20 @@ INT4PACK_MAX_M = 160
 GGML_FP32_MAX_M = 16
 
 
-def _fast_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16); elsewhere torch's
-    bf16 GEMM is emulated and a dequantized tile's GEMM loses to the native kernels at any M."""
-    flags = native.cpu_flags().split()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-# Up to this many tokens the native integer kernels (cost linear in M) beat dequantizing tiles
-# and a float GEMM. With hardware bf16 the crossover is about 64 tokens (docs/quant-layouts.md).
-# Without it (AMD Zen 3, AVX2) the native kernels win at every prefill size measured: Q4_K/Q6_K
-# 768x2048 and 2048x768 at M=512 took 18-26 ms native against 90-207 ms dequantized + bf16 and
-# 14-247 ms dequantized + float32 (2 threads); so there they take every chunk up to 4096 tokens.
-NATIVE_MAX_M = 64 if _fast_bf16() else 1 << 12
+# Up to this many tokens (every prefill chunk in practice) the native integer kernels run, on
+# every CPU. An isolated GEMM of one shape favours dequantized tiles and a bf16 GEMM above ~64
+# tokens where the CPU has bf16 in hardware, but a prefill is not one shape: an expert's GEMM
+# has as many rows as tokens routed to it, and oneDNN JIT-compiles and caches a primitive for
+# each shape it meets (up to 1024 of them). Measured on an Intel Xeon with AMX (24-layer
+# shape-true pack, 550-token prompt, chunk 512, 2 threads): native kernels throughout took
+# 20.8-22.6 s resident against 27.6 s, and 26.7-29.6 s under a 4 GiB budget against 43.9-45.2 s,
+# and the anonymous memory after the prompt was 0.26-0.29 GiB against 0.89 GiB (the primitive
+# cache alone held 0.45 GiB), which had put peak RSS 0.5 GiB above the plan's F.
+# Without hardware bf16 (AMD Zen 3, AVX2) the native kernels win at every size measured too:
+# Q4_K/Q6_K 768x2048 and 2048x768 at M=512 took 18-26 ms native against 90-207 ms dequantized
+# + bf16 and 14-247 ms dequantized + float32 (2 threads). One threshold on every CPU also keeps
+# a prefill's numerics the same from one machine to the next.
+NATIVE_MAX_M = 1 << 12
 
 
 class LinearKernel:
