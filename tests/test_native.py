@@ -180,6 +180,22 @@ def test_linear_dispatches_small_batches_to_native_and_large_to_tiles(monkeypatc
     torch.testing.assert_close(small, big[:2], rtol=Q8_ACTIVATION_REL, atol=Q8_ACTIVATION_REL * big.abs().max().item())
 
 
+def test_a_prefill_chunk_runs_on_the_native_kernels_on_every_cpu(monkeypatch):
+    """A 512-token chunk (fullsize.py's, llama.cpp's n_batch) takes the native kernels, for one
+    matrix and for a layer's fused experts, whatever bf16 hardware the CPU has: dequantized tiles
+    and torch's bf16 GEMM left oneDNN a compiled primitive per expert shape (0.45 GiB and more
+    on the AMX Xeon, peak RSS above the plan's F) and ran slower there (kernels/cpu.py)."""
+    raw = _random_rows(T.Q4_K, 32, 256)
+    codec = quants.get_codec("ggml")
+    pw = codec.view(raw.reshape(-1), [0], codec.parts(T.Q4_K, (32, 256)), T.Q4_K, (32, 256))
+    calls = []
+    real = native.gemm
+    monkeypatch.setattr(native, "gemm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    cpu.linear(torch.randn(512, 256), pw)
+    assert calls == [512]
+    assert cpu.native_swiglu_types({"gate": pw, "up": pw, "down": pw}, 512) == (T.Q4_K,) * 3
+
+
 def test_native_swiglu_types_accepts_only_ggml_blocks_it_can_run():
     codec = quants.get_codec("ggml")
     mk = lambda qt, n, k: codec.view(_random_rows(qt, n, k).reshape(-1), [0], codec.parts(qt, (n, k)), qt, (n, k))
