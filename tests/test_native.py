@@ -166,14 +166,22 @@ def test_scalar_build_computes_the_same_integers(tmp_path):
         torch.testing.assert_close(scalar, simd, rtol=NATIVE_REORDER_RTOL, atol=NATIVE_REORDER_RTOL * simd.abs().max().item())
 
 
-def test_linear_dispatches_small_batches_to_native_and_large_to_tiles(monkeypatch):
-    raw = _random_rows(T.Q6_K, 64, 256)
+def _ggml_weight(qt: T, n: int, k: int):
+    """A PackedWeight over random GGUF rows of type qt, [n, k]."""
     codec = quants.get_codec("ggml")
-    spec = codec.parts(T.Q6_K, (64, 256))
-    pw = codec.view(raw.reshape(-1), [0], spec, T.Q6_K, (64, 256))
-    calls = []
-    real = native.gemm
+    return codec.view(_random_rows(qt, n, k).reshape(-1), [0], codec.parts(qt, (n, k)), qt, (n, k))
+
+
+def _count_native_gemms(monkeypatch) -> list[int]:
+    """The row counts of every native.gemm call from here on (the calls still run)."""
+    calls, real = [], native.gemm
     monkeypatch.setattr(native, "gemm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    return calls
+
+
+def test_linear_dispatches_small_batches_to_native_and_large_to_tiles(monkeypatch):
+    pw = _ggml_weight(T.Q6_K, 64, 256)
+    calls = _count_native_gemms(monkeypatch)
     x = torch.randn(cpu.NATIVE_MAX_M + 8, 256)
     small, big = cpu.linear(x[:2], pw), cpu.linear(x, pw)
     assert calls == [2]
@@ -185,20 +193,15 @@ def test_a_prefill_chunk_runs_on_the_native_kernels_on_every_cpu(monkeypatch):
     matrix and for a layer's fused experts, whatever bf16 hardware the CPU has: dequantized tiles
     and torch's bf16 GEMM left oneDNN a compiled primitive per expert shape (0.45 GiB and more
     on the AMX Xeon, peak RSS above the plan's F) and ran slower there (kernels/cpu.py)."""
-    raw = _random_rows(T.Q4_K, 32, 256)
-    codec = quants.get_codec("ggml")
-    pw = codec.view(raw.reshape(-1), [0], codec.parts(T.Q4_K, (32, 256)), T.Q4_K, (32, 256))
-    calls = []
-    real = native.gemm
-    monkeypatch.setattr(native, "gemm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    pw = _ggml_weight(T.Q4_K, 32, 256)
+    calls = _count_native_gemms(monkeypatch)
     cpu.linear(torch.randn(512, 256), pw)
     assert calls == [512]
     assert cpu.native_swiglu_types({"gate": pw, "up": pw, "down": pw}, 512) == (T.Q4_K,) * 3
 
 
 def test_native_swiglu_types_accepts_only_ggml_blocks_it_can_run():
-    codec = quants.get_codec("ggml")
-    mk = lambda qt, n, k: codec.view(_random_rows(qt, n, k).reshape(-1), [0], codec.parts(qt, (n, k)), qt, (n, k))
+    mk = _ggml_weight
     parts = {"gate": mk(T.Q4_K, 32, 256), "up": mk(T.Q4_K, 32, 256), "down": mk(T.Q6_K, 256, 256)}
     assert cpu.native_swiglu_types(parts, 1) == (T.Q4_K, T.Q4_K, T.Q6_K)
     assert cpu.native_swiglu_types(parts, cpu.NATIVE_MAX_M + 1) is None

@@ -125,10 +125,10 @@ class Int8G32(LinearKernel, codecs=("int8_g32_avx512", "int8_g32_avx2", "int8_g3
 
 
 class Ggml(LinearKernel, codecs=("ggml",)):
-    """Byte-exact GGUF blocks. For few tokens on the CPU, Q4_0, Q8_0, Q4_K, Q5_K and Q6_K run
-    the native kernels (mawforge/kernels/native: x quantized to q8 as llama.cpp does, integer
-    block dot products). Otherwise dequantize row tiles (bit-exact float32) and multiply: in
-    float32 for few tokens, in bf16 for many."""
+    """Byte-exact GGUF blocks. Up to NATIVE_MAX_M tokens on the CPU, Q4_0, Q8_0, Q4_K, Q5_K and
+    Q6_K run the native kernels (mawforge/kernels/native: x quantized to q8 as llama.cpp does,
+    integer block dot products). Otherwise dequantize row tiles (bit-exact float32) and
+    multiply: in float32 for few tokens, in bf16 for many."""
 
     @staticmethod
     def run(x, w):

@@ -65,9 +65,9 @@ class MoEBlock:
         return out
 
     def _fused(self, x: torch.Tensor, keys, idx_np: np.ndarray, w_np: np.ndarray, out: torch.Tensor) -> bool:
-        """All of a group's experts in one native call (decode, verify, prefill chunks up to NATIVE_MAX_M tokens),
-        where the blocks are GGUF types the native kernels take. Returns False (nothing done)
-        otherwise."""
+        """All of a group's experts in one native call (decode, verify, and prefill chunks of up to
+        NATIVE_MAX_M tokens), where the blocks are GGUF types the native kernels take. Returns
+        False (nothing done) otherwise."""
         if not keys or x.shape[0] > kernels.NATIVE_MAX_M:
             return False
         bound = [self._bound(self.cache.weights(key)) for key in keys]
