@@ -37,11 +37,53 @@ def test_fused_attention_step_gives_the_same_bits(packs, arch, source):
     rt = Runtime(pack, RuntimeOptions(context=64, expert_cache_percent=100))
     try:
         assert rt.model.decode_attention is not None
+        # the whole layer up to the experts is one call too, and routes where the router is float32
+        assert rt.model.decode_attention.whole is not None
+        assert rt.model.decode_attention.routes
     finally:
         rt.close()
     fast, slow = _decode_logits(pack, True), _decode_logits(pack, False)
     for a, b in zip(fast, slow):
         assert torch.equal(a, b)
+
+
+@needs_cc
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16", "float32"])
+def test_a_decode_step_is_one_native_call_a_layer_before_the_experts(packs, kv_dtype, monkeypatch):
+    """A decode step calls decode_layer once a layer and none of the separate attention, norm
+    or routing calls; with each KV dtype the logits and the cache contents are the separate
+    calls' bits."""
+    from mawforge.kernels import native
+    pack = packs[("qwen3_moe", "Q4_K_M")]
+    runs = {}
+    for fast in (True, False):
+        rt = Runtime(pack, RuntimeOptions(context=64, prefill_chunk=8, expert_cache_percent=100, kv_dtype=kv_dtype,
+                                          prefetch="none"))
+        try:
+            if not fast:
+                rt.model.decode_attention = None
+            logits = [rt.forward(PROMPT)]
+            calls = {}
+            for name in ("decode_layer", "attn_qkv", "attend_one", "route_topk", "rms_norm"):
+                real = getattr(native, name)
+                monkeypatch.setattr(native, name, lambda *a, real=real, name=name: (
+                    calls.__setitem__(name, calls.get(name, 0) + 1), real(*a))[1])
+            logits += [rt.forward([t], kind="decode") for t in DECODE]
+            monkeypatch.undo()
+            n = rt.cfg.n_layers * len(DECODE)
+            if fast:
+                assert calls == {"decode_layer": n, "rms_norm": len(DECODE)}     # + the output norm
+            else:
+                assert "attn_qkv" not in calls and "decode_layer" not in calls
+                assert calls["attend_one"] == n and calls["route_topk"] == n
+            end = rt.kv.pos
+            runs[fast] = (logits, [t[:, :end].clone() for t in rt.kv.k + rt.kv.v])
+        finally:
+            rt.close()
+    for a, b in zip(runs[True][0], runs[False][0]):
+        assert torch.equal(a, b)
+    for a, b in zip(runs[True][1], runs[False][1]):
+        assert a.dtype == getattr(torch, kv_dtype) and torch.equal(a, b)
 
 
 def test_float_weights_and_overridden_hooks_keep_the_separate_calls(packs):

@@ -110,8 +110,12 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float
 
     With a float16/bfloat16 cache this computes as llama.cpp's CPU attention does: q rounded to
     the cache dtype, q.k and p.v accumulated in float32, softmax in float32, the probabilities
-    rounded to the cache dtype before p.v (ggml's mul_mat converts src1 to the f16 vec_dot type)."""
+    rounded to the cache dtype before p.v (ggml's mul_mat converts src1 to the f16 vec_dot type).
+    One token on the CPU is one native call (kernels/native attend_one: the same steps, summed in
+    its own fixed order), the call a fused decode layer makes (models/fastpath.py)."""
     T, H, D = q.shape
+    if T == 1 and window is None and native.attend_takes(q, keys, vals):
+        return native.attend_one(q, keys, vals, scale)     # the same arithmetic in one call, as a decode layer's
     G, S = keys.shape[0], keys.shape[1]
     low = keys.dtype != torch.float32
     # [G, H/G*T, D]; one token is that layout already (the permute and copy would be no-ops)
@@ -207,8 +211,10 @@ class MoETransformer:
         return q.reshape(T, -1), k.reshape(T, -1)
 
     def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = h @ self._bound(layer, "ffn_gate_inp.weight").T                  # [T, E]
-        return route_softmax_topk(logits, self.cfg.top_k, self.cfg.norm_topk_prob)
+        w = self._bound(layer, "ffn_gate_inp.weight")                              # [E, C]
+        if h.shape[0] == 1 and native.route_takes(h, w):     # one token: one native call, as a decode layer's
+            return native.route_topk(h, w, self.cfg.top_k, self.cfg.norm_topk_prob)
+        return route_softmax_topk(h @ w.T, self.cfg.top_k, self.cfg.norm_topk_prob)
 
     def beside_experts(self, layer: int, h: torch.Tensor) -> torch.Tensor | None:
         return None
@@ -267,8 +273,9 @@ class MoETransformer:
         out = attend(q, keys, vals, self.scale)                                    # [T, H*D]
         return self.proj(p + "attn_output.weight", out)
 
-    def ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        idx, wts = self.route(layer, x)                                           # [T, k]
+    def ffn(self, layer: int, x: torch.Tensor, routed: tuple | None = None) -> torch.Tensor:
+        """routed: (idx, wts) [T, k] where the fused decode layer has routed x already."""
+        idx, wts = self.route(layer, x) if routed is None else routed              # [T, k]
         y = self.experts(layer, x, idx, wts)
         extra = self.beside_experts(layer, x)
         return y if extra is None else y + extra
@@ -287,13 +294,20 @@ class MoETransformer:
         input), or only the last row's [1, C]."""
         pos = torch.arange(pos0, pos0 + tokens.shape[0], device=self.device)
         h = self.embed(tokens)                                                    # [T, C]
+        step = self.decode_attention.layer_step(h, pos0, kv) if self.decode_attention is not None else None
+        if step is not None:
+            h = h.clone()                   # the fused call adds into h in place
         for layer in range(self.cfg.n_layers):
-            a = self.mixer(layer, self.norm(h, f"blk.{layer}.attn_norm.weight"), pos, kv)
-            h = h + self.mixer_out(layer, a)
-            x = self.ffn_input(layer, h)
+            if step is not None:            # one token: everything up to the experts in one call
+                x, routed = step(layer, h)
+            else:
+                a = self.mixer(layer, self.norm(h, f"blk.{layer}.attn_norm.weight"), pos, kv)
+                h = h + self.mixer_out(layer, a)
+                x, routed = self.ffn_input(layer, h), None
             if self.router_hook is not None:
                 self.router_hook(layer, x)
-            h = self.layer_out(layer, h + self.ffn(layer, x))
+            y = self.ffn(layer, x) if routed is None else self.ffn(layer, x, routed)   # routed: the shared ffn only
+            h = self.layer_out(layer, h + y)
         return self.norm(h[-1:] if last_only else h, "output_norm.weight")
 
 

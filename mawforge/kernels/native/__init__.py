@@ -8,6 +8,11 @@ dot product in integers (kquant_gemm.c explains the arithmetic).
   experts cost one Python call instead of a dozen small torch ops per expert.
 * `attn_qkv(...)` (decode_step.c): one token's q/k/v projections, q/k RMSNorm and RoPE in one
   call, through the same kernels as the separate calls (the same bits, fewer crossings).
+* `attend_one(q, keys, vals, scale)`, `route_topk(x, w, k, renorm)`: one token's attention over
+  the KV cache and its softmax top-k routing (decode_step.c).
+* `decode_layer(...)`: a decode step's layer up to the routed experts in one call (the norms,
+  attention with its KV write, the residual, the router), composed of the calls above
+  (models/fastpath.py binds its arguments).
 
 The C sources are compiled on first use with the system's C compiler into a cache directory
 ($MAWFORGE_CACHE or ~/.cache/mawforge), keyed by the sources, the compiler flags, the compiler's
@@ -56,8 +61,14 @@ _SIGNATURES = (("qgemm", [_I, _P, _I, _I, _P, _I, _P]),
                ("rms_norm_rows", [_P, _I, _I, _P, ctypes.c_float, _P]),
                ("rope_rows", [_P, _I, _I, _I, _P, _P, _I, _P]),
                ("attn_qkv", [_P, _I, _P, _I, _P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _P, _P, ctypes.c_float,
-                             _P, _P, _I, _P, _P, _P]))
-_VOID = ("set_threads", "rms_norm_rows", "rope_rows")
+                             _P, _P, _I, _P, _P, _P]),
+               ("kv_put", [_P, _P, _P, _P, _I, _I, _I, ctypes.c_long, _I]),
+               ("attend_one", [_P, _P, _P, _I, ctypes.c_long, _I, _I, _I, _I, ctypes.c_float, _P]),
+               ("route_topk", [_P, _I, _P, _I, _I, _I, _P, _P, _P]),
+               ("decode_layer", [_P, _P, _P, _I, _P, _P, _P, _P, _P, _P]))
+_VOID = ("set_threads", "rms_norm_rows", "rope_rows", "kv_put", "route_topk")
+# the KV cache dtypes attend_one and decode_layer read and write (decode_step.c's KV_* codes)
+KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def cpu_flags() -> str:
@@ -284,3 +295,82 @@ def attn_qkv(x: torch.Tensor, ws: tuple, biases: tuple, heads: tuple[int, int, i
                       int(neox), o, o + 4 * h * d, o + 4 * (h + g) * d)
     if rc != 0:
         raise ValueError(f"native attn_qkv cannot run types {(tq, tk, tv)} with C={x.shape[1]}")
+
+
+def _kv_strides(t: torch.Tensor) -> int | None:
+    """The group stride of a [G, S, D] view of a [G, ctx, D] cache (rows of D contiguous), else None."""
+    if t.dim() != 3 or t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+        return None
+    return t.stride(0)
+
+
+def attend_takes(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> bool:
+    """True where `attend_one` computes this one-token attention: float32 q [1, H, D] on the CPU,
+    keys/vals [G, S, D] of one KV dtype with rows of D contiguous and one group stride."""
+    if not (available() and q.device.type == "cpu" and q.dtype == torch.float32 and q.dim() == 3 and q.shape[0] == 1
+            and keys.dtype in KV_DTYPES and vals.dtype == keys.dtype and keys.device.type == "cpu"
+            and vals.device.type == "cpu" and keys.shape == vals.shape and q.shape[1] % keys.shape[0] == 0):
+        return False
+    sg = _kv_strides(keys)
+    return sg is not None and _kv_strides(vals) == sg
+
+
+def attend_one(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float) -> torch.Tensor:
+    """One token's GQA over keys/vals [G, S, D] (as attend_takes allows) -> [1, H*D] float32."""
+    lib = library()
+    _sync_threads(lib)
+    _, h, d = q.shape
+    g, s, _ = keys.shape
+    qf = q.contiguous()
+    out = torch.empty(1, h * d, dtype=torch.float32)
+    rc = lib.attend_one(qf.data_ptr(), keys.data_ptr(), vals.data_ptr(), KV_DTYPES[keys.dtype], keys.stride(0),
+                        s, h, g, d, scale, out.data_ptr())
+    if rc != 0:
+        raise MemoryError("native attend_one could not allocate its scratch")
+    return out
+
+
+def route_takes(x: torch.Tensor, w) -> bool:
+    """True where `route_topk` computes this router: one float32 token [1, C] and a float32 [E, C] weight."""
+    return (available() and isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.dim() == 2
+            and w.is_contiguous() and w.device.type == "cpu" and x.dim() == 2 and x.shape[0] == 1
+            and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[1] == w.shape[1])
+
+
+def route_topk(x: torch.Tensor, w: torch.Tensor, k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's softmax top-k routing: x [1, C], w [E, C] float32 -> idx int64 [1, k], weights [1, k]."""
+    lib = library()
+    _sync_threads(lib)
+    xf = x.contiguous()
+    probs = torch.empty(w.shape[0], dtype=torch.float32)
+    idx = torch.empty(1, k, dtype=torch.int64)
+    wt = torch.empty(1, k, dtype=torch.float32)
+    lib.route_topk(xf.data_ptr(), w.shape[1], w.data_ptr(), w.shape[0], k, int(renorm), probs.data_ptr(),
+                   idx.data_ptr(), wt.data_ptr())
+    return idx, wt
+
+
+class LayerArgs(ctypes.Structure):
+    """decode_step.c's struct dl_layer: what one layer of a decode step binds once."""
+    _fields_ = [(n, _P) for n in ("attn_norm", "ffn_norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo",
+                                  "nq", "nk", "router", "kc", "vc")] + \
+               [("kv_stride", ctypes.c_long)] + [(n, _I) for n in ("tq", "tk", "tv", "to", "kind", "kv_dtype")]
+
+
+class ModelArgs(ctypes.Structure):
+    """decode_step.c's struct dl_model: the shapes every layer shares."""
+    _fields_ = [(n, _I) for n in ("C", "H", "G", "D", "E", "topk", "renorm", "neox")] + \
+               [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+def decode_layer(layer: LayerArgs, model: ModelArgs, h: torch.Tensor, pos: int, cos: torch.Tensor,
+                 sin: torch.Tensor, buf: torch.Tensor, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> None:
+    """decode_step.c's decode_layer on h [1, C] (updated in place): writes the FFN input x [1, C]
+    and, where the layer binds a router, idx [1, k] int64 and w [1, k]. Every tensor float32
+    contiguous on the CPU; buf holds (3H + 2G) * D + C + E floats."""
+    lib = library()
+    _sync_threads(lib)
+    rc = lib.decode_layer(ctypes.byref(layer), ctypes.byref(model), h.data_ptr(), pos, cos.data_ptr(), sin.data_ptr(),
+                          buf.data_ptr(), x.data_ptr(), idx.data_ptr(), w.data_ptr())
+    if rc != 0:
+        raise ValueError("native decode_layer: " + ("unsupported weight type" if rc == -1 else "out of memory"))

@@ -46,3 +46,256 @@ int attn_qkv(const float *x, int C, const uint8_t *wq, int tq, const uint8_t *wk
     if (project(x, C, wv, tv, bv, G, D, NORM_NONE, 0, eps, cs, sn, neox, 0, v)) return -1;
     return 0;
 }
+
+/* ---- the rest of a one-token layer: KV write, attention over the cache, routing ------------ */
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
+int omp_team(void);     /* kquant_gemm.c: the kernels' team size */
+
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+
+/* float32 -> bfloat16 as torch's c10::BFloat16 rounds (nearest even; NaN -> 0x7FC0) */
+static inline uint16_t bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static inline float bf16_value(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* row of D cache values (f32, f16 or bf16) -> float32. f16 is an IEEE conversion either way:
+   F16C instructions 8 at a time where -march has them (GCC 12 does not vectorize _Float16
+   casts), the compiler's _Float16 cast (libgcc) otherwise. */
+static inline void row_load(const void *base, int dtype, long at, int D, float *dst) {
+    if (dtype == KV_F32) memcpy(dst, (const float *)base + at, sizeof(float) * D);
+    else if (dtype == KV_F16) {
+        const _Float16 *p = (const _Float16 *)base + at;
+        int d = 0;
+#ifdef __F16C__
+        for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + d))));
+#endif
+        for (; d < D; d++) dst[d] = (float)p[d];
+    } else { const uint16_t *p = (const uint16_t *)base + at; for (int d = 0; d < D; d++) dst[d] = bf16_value(p[d]); }
+}
+/* float32 row -> the cache's dtype (round to nearest even, as torch's copy_) */
+static inline void row_store(void *base, int dtype, long at, int D, const float *src) {
+    if (dtype == KV_F32) memcpy((float *)base + at, src, sizeof(float) * D);
+    else if (dtype == KV_F16) {
+        _Float16 *p = (_Float16 *)base + at;
+        int d = 0;
+#ifdef __F16C__
+        for (; d + 8 <= D; d += 8)
+            _mm_storeu_si128((__m128i *)(p + d), _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT));
+#endif
+        for (; d < D; d++) p[d] = (_Float16)src[d];
+    } else { uint16_t *p = (uint16_t *)base + at; for (int d = 0; d < D; d++) p[d] = bf16_bits(src[d]); }
+}
+/* x [n] rounded to the cache dtype and back in place (what torch's .to(dtype).float() gives) */
+static inline void round_row(int dtype, float *x, int n) {
+    int i = 0;
+    if (dtype == KV_F16) {
+#ifdef __F16C__
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(x + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT)));
+#endif
+        for (; i < n; i++) x[i] = (float)(_Float16)x[i];
+    } else if (dtype == KV_BF16)
+        for (; i < n; i++) x[i] = bf16_value(bf16_bits(x[i]));
+}
+
+/* 16 float lanes as one value: GCC lowers it to one AVX-512 register, two AVX2 or four SSE ones,
+   each lane computing the same operations in the same order (the same bits in every build) */
+typedef float v16f __attribute__((vector_size(64)));
+static inline v16f ld16(const float *p) { v16f v; memcpy(&v, p, sizeof v); return v; }
+/* the lanes summed pairwise (8 + 8, 4 + 4, 2 + 2, 1 + 1): one fixed order */
+static inline float hsum16(v16f a) {
+    float t[16];
+    memcpy(t, &a, sizeof t);
+    for (int w = 8; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) t[l] += t[l + w];
+    return t[0];
+}
+
+/* sum a[i] * b[i] in 16 lanes (lane i % 16; a tail shorter than 16 into lanes 0..), then the
+   lanes pairwise: one fixed order (no reassociation, no FMA contraction under -std=c11) */
+static inline float dot16(const float *a, const float *b, int n) {
+    v16f acc = {0};
+    int i = 0;
+    for (; i + 16 <= n; i += 16) acc += ld16(a + i) * ld16(b + i);
+    float t[16];
+    memcpy(t, &acc, sizeof t);
+    for (int l = 0; i < n; i++, l++) t[l] += a[i] * b[i];
+    memcpy(&acc, t, sizeof t);
+    return hsum16(acc);
+}
+
+/* dot16 of four vectors a[j * as] against one b, interleaved (four independent chains instead of
+   one chain's latency): each result is the same sum in the same order as dot16's. */
+static inline void dot16x4(const float *a, long as, const float *b, int n, float *out) {
+    if (n % 16) {
+        for (int j = 0; j < 4; j++) out[j] = dot16(a + j * as, b, n);
+        return;
+    }
+    v16f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int i = 0; i < n; i += 16) {
+        const v16f bv = ld16(b + i);
+        a0 += ld16(a + i) * bv;
+        a1 += ld16(a + as + i) * bv;
+        a2 += ld16(a + 2 * as + i) * bv;
+        a3 += ld16(a + 3 * as + i) * bv;
+    }
+    out[0] = hsum16(a0), out[1] = hsum16(a1), out[2] = hsum16(a2), out[3] = hsum16(a3);
+}
+
+static float *g_attn;       /* attention scratch, grown on demand (one compute thread calls in) */
+static size_t g_attn_n;
+static float *attn_scratch(size_t n) {
+    if (n > g_attn_n) {
+        free(g_attn);
+        g_attn = malloc(sizeof(float) * n);
+        g_attn_n = g_attn ? n : 0;
+    }
+    return g_attn;
+}
+
+/* k, v [G*D] float32 -> the cache at position pos; kc/vc [G, ctx, D] of `dtype`, sg = ctx * D. */
+void kv_put(const float *k, const float *v, void *kc, void *vc, int dtype, int G, int D, long sg, int pos) {
+    for (int g = 0; g < G; g++) {
+        row_store(kc, dtype, g * sg + (long)pos * D, D, k + (long)g * D);
+        row_store(vc, dtype, g * sg + (long)pos * D, D, v + (long)g * D);
+    }
+}
+
+/* One query token's grouped-query attention over S cached positions, as models/base.attend
+   computes it: q rounded to the cache dtype, scores q.k in float32 times scale, softmax in
+   float32 (max subtracted), the probabilities rounded to the cache dtype, p.v in float32.
+   q [H*D]; kc/vc [G, ctx, D] (sg = ctx * D between groups); out [H*D]. Each group's heads
+   on one thread, so the result does not depend on the thread count. Returns 0, or -2 when
+   the scratch cannot be allocated. */
+int attend_one(const float *q, const void *kc, const void *vc, int dtype, long sg, int S,
+               int H, int G, int D, float scale, float *out) {
+    const int hg = H / G;
+    const size_t per = (size_t)hg * D + (size_t)hg * S + D;
+    float *buf = attn_scratch(per * G);
+    if (!buf) return -2;
+    #pragma omp parallel for schedule(static) num_threads(omp_team())
+    for (int g = 0; g < G; g++) {
+        float *qr = buf + per * g, *sc = qr + (size_t)hg * D, *row = sc + (size_t)hg * S;
+        memcpy(qr, q + (long)g * hg * D, sizeof(float) * hg * D);
+        round_row(dtype, qr, hg * D);
+        for (int s = 0; s < S; s++) {
+            row_load(kc, dtype, g * sg + (long)s * D, D, row);
+            int j = 0;
+            for (; j + 4 <= hg; j += 4) {
+                float d4[4];
+                dot16x4(qr + (long)j * D, D, row, D, d4);
+                for (int r = 0; r < 4; r++) sc[(long)(j + r) * S + s] = d4[r] * scale;
+            }
+            for (; j < hg; j++) sc[(long)j * S + s] = dot16(qr + (long)j * D, row, D) * scale;
+        }
+        for (int j = 0; j < hg; j++) {
+            float *p = sc + (long)j * S, m = -INFINITY, sum = 0.f;
+            for (int s = 0; s < S; s++) m = p[s] > m ? p[s] : m;
+            for (int s = 0; s < S; s++) { p[s] = expf(p[s] - m); sum += p[s]; }
+            for (int s = 0; s < S; s++) p[s] = p[s] / sum;
+            round_row(dtype, p, S);
+        }
+        float *o = out + (long)g * hg * D;
+        memset(o, 0, sizeof(float) * hg * D);
+        for (int s = 0; s < S; s++) {
+            row_load(vc, dtype, g * sg + (long)s * D, D, row);
+            for (int j = 0; j < hg; j++) {
+                const float p = sc[(long)j * S + s];
+                float *oj = o + (long)j * D;
+                int d = 0;
+                for (; d + 16 <= D; d += 16) {
+                    v16f acc = ld16(oj + d);
+                    acc += p * ld16(row + d);
+                    memcpy(oj + d, &acc, sizeof acc);
+                }
+                for (; d < D; d++) oj[d] += p * row[d];
+            }
+        }
+    }
+    return 0;
+}
+
+/* The router of one token: logits = x . W^T (W float32 [E, C]), softmax over the E experts,
+   the k largest (ties to the lower index; largest first), renormalized to sum 1 if asked.
+   probs [E] scratch; idx [k] int64, w [k] float32. */
+void route_topk(const float *x, int C, const float *W, int E, int k, int renorm, float *probs,
+                int64_t *idx, float *w) {
+    #pragma omp parallel for schedule(static) num_threads(omp_team())
+    for (int e = 0; e < E; e++) probs[e] = dot16(x, W + (long)e * C, C);
+    float m = -INFINITY, sum = 0.f;
+    for (int e = 0; e < E; e++) m = probs[e] > m ? probs[e] : m;
+    for (int e = 0; e < E; e++) { probs[e] = expf(probs[e] - m); sum += probs[e]; }
+    for (int e = 0; e < E; e++) probs[e] = probs[e] / sum;
+    float tot = 0.f;
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            if (best >= 0 && !(probs[e] > probs[best])) continue;
+            int taken = 0;
+            for (int i = 0; i < j; i++) taken |= idx[i] == e;
+            if (!taken) best = e;
+        }
+        idx[j] = best;
+        w[j] = probs[best];
+        tot += w[j];
+    }
+    if (renorm)
+        for (int j = 0; j < k; j++) w[j] = w[j] / tot;
+}
+
+/* What one layer of a decode step binds once (models/fastpath.DecodeAttention; the ctypes
+   Structure there mirrors this field by field). */
+struct dl_layer {
+    const float *attn_norm, *ffn_norm;
+    const uint8_t *wq, *wk, *wv, *wo;
+    const float *bq, *bk, *bv, *bo;
+    const float *nq, *nk;
+    const float *router;           /* float32 [E, C], or NULL: the caller routes */
+    void *kc, *vc;                 /* this layer's KV cache [G, ctx, D] */
+    long kv_stride;                /* ctx * D */
+    int tq, tk, tv, to, kind, kv_dtype;
+};
+struct dl_model { int C, H, G, D, E, topk, renorm, neox; float eps, scale; };
+
+/* A decode step's layer up to the routed experts, on h [C] (the residual stream, updated in
+   place): x = RMSNorm(h, attn_norm); q, k, v (attn_qkv); k, v into the cache at pos; attention
+   over positions 0..pos; h += o-projection (+ bias); xf = RMSNorm(h, ffn_norm); and, with a
+   router, the token's top-k experts. The same kernels, in the same order, as the separate calls
+   of models/base.MoETransformer (the same bits). buf: (3H + 2G) * D + C + E floats of scratch.
+   Returns 0, -1 for an unsupported weight type, -2 when scratch cannot be allocated. */
+int decode_layer(const struct dl_layer *L, const struct dl_model *m, float *h, int pos,
+                 const float *cs, const float *sn, float *buf, float *xf, int64_t *idx, float *w) {
+    const int C = m->C, H = m->H, G = m->G, D = m->D;
+    float *xn = buf, *q = xn + C, *k = q + (long)H * D, *v = k + (long)G * D, *a = v + (long)G * D;
+    float *o = a + (long)H * D, *probs = o + C;
+    rms_norm_rows(h, 1, C, L->attn_norm, m->eps, xn);
+    if (attn_qkv(xn, C, L->wq, L->tq, L->wk, L->tk, L->wv, L->tv, L->bq, L->bk, L->bv, H, G, D, L->kind,
+                 L->nq, L->nk, m->eps, cs, sn, m->neox, q, k, v)) return -1;
+    kv_put(k, v, L->kc, L->vc, L->kv_dtype, G, D, L->kv_stride, pos);
+    int rc = attend_one(q, L->kc, L->vc, L->kv_dtype, L->kv_stride, pos + 1, H, G, D, m->scale, a);
+    if (rc) return rc;
+    if (qgemm(L->to, a, 1, H * D, L->wo, C, o)) return -1;
+    if (L->bo)
+        for (int i = 0; i < C; i++) o[i] = o[i] + L->bo[i];
+    for (int i = 0; i < C; i++) h[i] = h[i] + o[i];
+    rms_norm_rows(h, 1, C, L->ffn_norm, m->eps, xf);
+    if (L->router) route_topk(xf, C, L->router, m->E, m->topk, m->renorm, probs, idx, w);
+    return 0;
+}

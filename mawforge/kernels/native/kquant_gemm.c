@@ -734,6 +734,7 @@ int quantize_acts(int type, const float *x, int K, int8_t *q, float *d, int16_t 
    torch's parallel regions use on this thread too, and torch's float GEMMs do not give the same
    bits at every thread count. The kernels here do (each thread owns whole output rows). */
 void set_threads(int n) { g_team = n; }
+int omp_team(void) { return team_size(); }   /* for decode_step.c's parallel loops */
 
 /* ---- the small per-layer ops of a decode step, as one call each ---------------------------- */
 
