@@ -215,7 +215,8 @@ def test_thread_governor_changes_threads_not_tokens(packs, arch, source):
         want, _, fixed = _greedy(pack, expert_cache_percent=40, thread_governor=False)
         assert fixed.compute_threads == {"threads": 2, "governor": False}
         rt = _runtime(pack, expert_cache_percent=40)
-        rt.governor = ThreadGovernor(2, window=1, probe_every=2)   # best and a probe alternate, whichever is faster
+        # best and a probe alternate, whichever is faster; a core taken all along (else it would not probe)
+        rt.governor = ThreadGovernor(2, window=1, probe_every=2, load=lambda: 1.0)
         try:
             ids = rt.tokenizer.encode("The expert cache keeps what the router asks for")
             ev = list(generate(rt, ids, SamplingParams(max_tokens=24, ignore_eos=True)))
@@ -251,3 +252,55 @@ def test_prefill_bytes_read_against_the_bytes_its_experts_need(packs):
             assert first.prefill_read_bytes == first.prefill_needed_bytes and again.prefill_read_bytes == 0
         else:
             assert first.prefill_read_bytes > first.prefill_needed_bytes
+
+
+def test_a_quiet_machine_keeps_every_thread_and_a_busy_one_measures_afresh():
+    """While other processes use under QUIET_CORES the governor runs the full count without
+    exploring or probing (its steps are safe to time); when one takes a core, every count is
+    measured again under that load, and the choice follows the measured speeds."""
+    from mawforge.engine.threads import QUIET_CORES, ThreadGovernor
+    others = [0.0]
+    gov = ThreadGovernor(2, window=2, probe_every=2, load=lambda: others[0])
+    try:
+        used = []
+        for _ in range(20):
+            n = gov.before_step()
+            used.append(n)
+            gov.after_step(n, 1, 0.1)
+        # the first window measures the full count (the load is not known yet), then quiet
+        assert used == [2] * 20 and gov.switches == 0 and gov.settled()
+        rep = gov.report()
+        assert rep["quiet_windows"] == 10 and rep["busy_windows"] == 0 and rep["others_cores"] == 0.0
+        others[0] = 1.0                                   # a program takes a core
+        used = []
+        for _ in range(12):
+            n = gov.before_step()
+            used.append(n)
+            gov.after_step(n, 1, 0.1 if n == 1 else 0.4)  # one thread is now the faster
+        assert 1 in used and used[-2:] == [1, 1] and gov.report()["busy_windows"] >= 5
+        assert gov.report()["tok_s"]["1"] == pytest.approx(10.0)
+        others[0] = QUIET_CORES / 2                       # the core is given back
+        for _ in range(4):
+            n = gov.before_step()
+            gov.after_step(n, 1, 0.1)
+        assert gov.before_step() == 2 and gov.settled()
+    finally:
+        gov.close()
+
+
+def test_cpu_load_reads_the_other_processes_share_of_proc_stat(tmp_path):
+    """CpuLoad: the busy jiffies of /proc/stat's cpu line (all but idle and iowait) over the
+    wall time, less this process's CPU time; an unreadable or foreign file gives None."""
+    from mawforge.engine.threads import CpuLoad
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 1000 10 0 0 0 0 0\n")
+    load = CpuLoad(str(stat))
+    t0 = load._last
+    stat.write_text(f"cpu  {100 + load.tick * 10} 0 50 1000 10 0 0 0 0 0\n")     # 10 s busy since
+    got = load.others()
+    now = load._last
+    want = (10.0 - (now[2] - t0[2])) / (now[0] - t0[0])
+    assert got == pytest.approx(want) and got > 1.0                     # far more than the wall time
+    stat.write_text("intr 5\n")
+    assert load.others() is None
+    assert CpuLoad(str(tmp_path / "missing")).others() is None

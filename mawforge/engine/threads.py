@@ -13,8 +13,20 @@ family, F32 to Q4_K_M: GEMVs and the native kernels split outputs, not sums); pr
 verify steps are GEMMs that would not, so they always run at the full count (`release`).
 The time measured is a step's wall time less its expert-read waits, so a cold cache does not
 count against the thread count that met it.
+
+Fewer threads only win when another program takes a core, and on a quiet machine a probe of
+one thread costs its whole window (2 cores: that window runs at 0.6 of the speed, a quarter of
+a 32-token request). So at every window the governor reads the CPU time the other processes
+took (`CpuLoad`: /proc/stat's busy time less this process's own): while it stays under
+QUIET_CORES the step runs at the full count with no exploring and no probing; when it rises,
+the counts are measured afresh (rates from quiet windows do not hold under load) and chosen as
+above. Where /proc/stat cannot be read, the governor always chooses by measured speed.
 """
 from __future__ import annotations
+
+import os
+import time
+from typing import Callable
 
 import torch
 
@@ -22,11 +34,56 @@ from mawforge.engine.online import OnlineChooser
 from mawforge.kernels import native
 
 
+# other processes using less than this many cores over a window: a quiet machine
+QUIET_CORES = 0.5
+
+
+class CpuLoad:
+    """`others()`: the cores other processes used since the previous call (the machine's busy
+    CPU time from /proc/stat, less this process's own CPU time, over the wall time between),
+    or None where /proc/stat cannot be read."""
+
+    def __init__(self, stat: str = "/proc/stat") -> None:
+        self.stat = stat
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._last = self._sample()
+
+    def _sample(self) -> tuple[float, float, float] | None:
+        try:
+            with open(self.stat) as f:
+                fields = f.readline().split()
+        except OSError:
+            return None
+        if not fields or fields[0] != "cpu" or len(fields) < 5:
+            return None
+        j = [int(v) for v in fields[1:9]]
+        busy = sum(j) - j[3] - (j[4] if len(j) > 4 else 0)           # less idle and iowait
+        return time.monotonic(), busy / self.tick, time.process_time()
+
+    def others(self) -> float | None:
+        now = self._sample()
+        last, self._last = self._last, now
+        if now is None or last is None or now[0] <= last[0]:
+            return None
+        return max(0.0, ((now[1] - last[1]) - (now[2] - last[2])) / (now[0] - last[0]))
+
+
 class ThreadGovernor:
-    def __init__(self, max_threads: int, window: int = 8, probe_every: int = 32) -> None:
-        self.max_threads = max_threads
-        self.chooser = OnlineChooser(tuple(range(max_threads, 0, -1)), window, probe_every)
+    def __init__(self, max_threads: int, window: int = 8, probe_every: int = 32,
+                 load: Callable[[], float | None] | None = None) -> None:
+        """load: the cores other processes used since its previous call (None: unknown);
+        default a CpuLoad over /proc/stat."""
+        self.max_threads, self.window, self.probe_every = max_threads, window, probe_every
+        self.chooser = self._new_chooser()
         self.switches, self._last = 0, None
+        self.load = load if load is not None else CpuLoad().others
+        self.quiet = False              # decided at the end of each window
+        self.quiet_windows = self.busy_windows = 0
+        self.others_cores: float | None = None
+        self._tokens = 0
+
+    def _new_chooser(self) -> OnlineChooser:
+        return OnlineChooser(tuple(range(self.max_threads, 0, -1)), self.window, self.probe_every)
 
     @staticmethod
     def _set(n: int, limit: int | None) -> None:
@@ -37,20 +94,38 @@ class ThreadGovernor:
     def before_step(self) -> int:
         """Before a one-token decode step: the count to run it with (set every step, since a
         draft model's governor in the same process shares both pools)."""
-        n = self.chooser.mode()
+        if self._tokens == 0:
+            self.load()                  # a window starts: the load is measured from here
+        n = self.max_threads if self.quiet else self.chooser.mode()
         self.switches += self._last is not None and n != self._last
         self._last = n
         self._set(n, n)
         return n
 
     def after_step(self, threads: int, positions: int, compute_s: float) -> None:
-        self.chooser.record(threads, positions, compute_s)
+        if not self.quiet:
+            self.chooser.record(threads, positions, compute_s)
+        self._tokens += positions
+        if self._tokens < self.window:
+            return
+        self._tokens = 0                 # a window's end: is another program taking a core?
+        others = self.others_cores = self.load()
+        quiet = others is not None and others < QUIET_CORES
+        if self.quiet and not quiet:
+            self.chooser = self._new_chooser()      # measure every count afresh, under the load
+        self.quiet = quiet
+        if quiet:
+            self.quiet_windows += 1
+        else:
+            self.busy_windows += 1
 
     def settled(self) -> bool:
         """True when every count has been measured and the step runs at the fastest one (not
         exploring, not probing): steps that other choosers may time without this one's probe
         in their figures (`--prefetch auto` times its windows only on such steps)."""
         c = self.chooser
+        if self.quiet:
+            return True
         if any(c.rate[a] is None for a in c.arms):
             return False
         return c.current == max(c.arms, key=lambda a: c.rate[a])
@@ -61,8 +136,10 @@ class ThreadGovernor:
 
     def report(self) -> dict:
         c = self.chooser
-        return {"threads": c.current, "switches": self.switches,
-                "tok_s": {str(a): c.rate[a] for a in c.arms}, "windows": {str(a): c.windows[a] for a in c.arms}}
+        return {"threads": self.max_threads if self.quiet else c.current, "switches": self.switches,
+                "tok_s": {str(a): c.rate[a] for a in c.arms}, "windows": {str(a): c.windows[a] for a in c.arms},
+                "quiet_windows": self.quiet_windows, "busy_windows": self.busy_windows,
+                "others_cores": None if self.others_cores is None else round(self.others_cores, 3)}
 
     def close(self) -> None:
         self.release()
