@@ -140,7 +140,9 @@ class DecodeAttention:
     def layer_step(self, h: torch.Tensor, pos0: int, kv):
         """The fused step for this forward (`step(layer, h)` -> (x, routed or None); h [1, C] is
         updated in place), or None where it does not apply: more than one token, no whole-layer
-        plan, or a KV cache that is not one [G, ctx, D] float32/float16/bfloat16 tensor a layer."""
+        plan, or a KV cache that is not one [G, ctx, D] float32/float16/bfloat16 tensor a layer.
+        x and the routed (idx, wts) are buffers the next layer's call overwrites: their consumers
+        (the expert cache, a route trace, a prefetcher) copy what they keep."""
         if self.whole is None or h.shape[0] != 1 or h.dtype != torch.float32 or h.device.type != "cpu":
             return None
         if not self._bound_to(kv) and not self._bind(kv):
