@@ -118,11 +118,14 @@ static inline void round_row(int dtype, float *x, int n) {
 /* 16 float lanes as one value: GCC lowers it to one AVX-512 register, two AVX2 or four SSE ones,
    each lane computing the same operations in the same order (the same bits in every build) */
 typedef float v16f __attribute__((vector_size(64)));
-static inline v16f ld16(const float *p) { v16f v; memcpy(&v, p, sizeof v); return v; }
+typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));   /* unaligned access */
+/* (macros, not functions: a 64-byte vector passed by value warns of an ABI change without AVX-512) */
+#define ld16(p) (*(const v16u *)(p))
 /* the lanes summed pairwise (8 + 8, 4 + 4, 2 + 2, 1 + 1): one fixed order */
-static inline float hsum16(v16f a) {
+#define hsum16(a) hsum16_of(&(a))
+static inline float hsum16_of(const v16f *a) {
     float t[16];
-    memcpy(t, &a, sizeof t);
+    memcpy(t, a, sizeof t);
     for (int w = 8; w > 0; w /= 2)
         for (int l = 0; l < w; l++) t[l] += t[l + w];
     return t[0];
