@@ -166,6 +166,44 @@ def test_scalar_build_computes_the_same_integers(tmp_path):
         torch.testing.assert_close(scalar, simd, rtol=NATIVE_REORDER_RTOL, atol=NATIVE_REORDER_RTOL * simd.abs().max().item())
 
 
+@needs_avx2
+def test_every_build_attends_and_routes_to_the_same_bits(tmp_path):
+    """attend_one and route_topk sum in 16 lanes of one fixed order (GCC vector types, no FMA
+    contraction), and convert float16 by IEEE rules either way (F16C or libgcc): the portable
+    build gives the SIMD build's bits for every KV dtype, and so does any thread count."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 8, 64, generator=g)
+    cache = {dt: (torch.randn(2, 40, 64, generator=g).to(getattr(torch, dt)),
+                  torch.randn(2, 40, 64, generator=g).to(getattr(torch, dt)))
+             for dt in ("float32", "float16", "bfloat16")}
+    x, w = torch.randn(1, 96, generator=g), torch.randn(24, 96, generator=g)
+    torch.save({"q": q, "cache": cache, "x": x, "w": w}, tmp_path / "in.pt")
+    code = ("import sys, torch; from mawforge.kernels import native; assert not native.simd();"
+            "d = torch.load(sys.argv[1] + '/in.pt');"
+            "out = {dt: native.attend_one(d['q'], k[:, :33], v[:, :33], 0.125) for dt, (k, v) in d['cache'].items()};"
+            "out['route'] = native.route_topk(d['x'], d['w'], 5, True);"
+            "torch.save(out, sys.argv[1] + '/out.pt')")
+    env = dict(os.environ, MAWFORGE_NATIVE_MARCH="x86-64", MAWFORGE_CACHE=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert native.simd()
+    portable = torch.load(tmp_path / "out.pt")
+    try:
+        for threads in (1, 2):
+            native.set_thread_limit(threads)
+            for dt, (k, v) in cache.items():
+                got = native.attend_one(q, k[:, :33], v[:, :33], 0.125)
+                assert torch.equal(got, portable[dt]) and got.abs().sum() > 0, dt
+            idx, wt = native.route_topk(x, w, 5, True)
+            assert torch.equal(idx, portable["route"][0]) and torch.equal(wt, portable["route"][1])
+    finally:
+        native.set_thread_limit(None)
+    # and the softmax top-k is the one torch computes, to float32 rounding
+    ref_w, ref_i = torch.topk(torch.softmax(x @ w.T, -1), 5)
+    assert torch.equal(idx, ref_i)
+    torch.testing.assert_close(wt, ref_w / ref_w.sum(-1, keepdim=True), rtol=1e-5, atol=1e-6)
+
+
 def _ggml_weight(qt: T, n: int, k: int):
     """A PackedWeight over random GGUF rows of type qt, [n, k]."""
     codec = quants.get_codec("ggml")
