@@ -122,13 +122,12 @@ class DecodeAttention:
         for layer, (ws, biases, (kind, nq, nk, _)) in enumerate(layers):
             p = f"blk.{layer}."
             norms = [w.maybe_dense(p + n) for n in ("attn_norm.weight", model.ffn_norm_name)]
-            wo = _native_rows(w.packed(p + "attn_output.weight")) if w.has(p + "attn_output.weight") else None
+            o = w.packed(p + "attn_output.weight") if w.has(p + "attn_output.weight") else None
+            wo = _native_rows(o) if o is not None and tuple(o.shape) == (c, h * d) else None
             bo = w.maybe_dense(p + "attn_output.bias")
-            if (not all(_f32_vector(n, c) for n in norms) or wo is None or tuple(w.packed(p + "attn_output.weight").shape) != (c, h * d)
-                    or (bo is not None and not _f32_vector(bo, c))):
+            if not all(_f32_vector(n, c) for n in norms) or wo is None or (bo is not None and not _f32_vector(bo, c)):
                 return None, None
-            router = routers[layer]
-            ptr = lambda x: None if x is None else x.data_ptr()
+            router, ptr = routers[layer], native.ptr
             (wq, tq), (wk, tk), (wv, tv) = ws
             args = native.LayerArgs(attn_norm=ptr(norms[0]), ffn_norm=ptr(norms[1]), wq=ptr(wq), wk=ptr(wk), wv=ptr(wv),
                                     wo=ptr(wo[0]), bq=ptr(biases[0]), bk=ptr(biases[1]), bv=ptr(biases[2]), bo=ptr(bo),

@@ -187,6 +187,11 @@ def _sync_threads(lib) -> None:
         _threads = nt
 
 
+def ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's data pointer for a C argument, or None (NULL) for no tensor."""
+    return None if t is None else t.data_ptr()
+
+
 def gemm(x: torch.Tensor, raw: torch.Tensor, qtype: T, n: int, k: int) -> torch.Tensor:
     """x [M, K] (any float dtype, CPU) . W^T with W the GGUF rows in raw (uint8 [N, row bytes])."""
     lib = library()
@@ -288,7 +293,6 @@ def attn_qkv(x: torch.Tensor, ws: tuple, biases: tuple, heads: tuple[int, int, i
     h, g, d = heads
     kind, nq, nk, eps = norm
     (wq, tq), (wk, tk), (wv, tv) = ws
-    ptr = lambda t: None if t is None else t.data_ptr()
     o = out.data_ptr()
     rc = lib.attn_qkv(x.data_ptr(), x.shape[1], wq.data_ptr(), tq, wk.data_ptr(), tk, wv.data_ptr(), tv,
                       *map(ptr, biases), h, g, d, kind, ptr(nq), ptr(nk), eps, cos.data_ptr(), sin.data_ptr(),
