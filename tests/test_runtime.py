@@ -41,6 +41,8 @@ def test_cache_is_transparent_across_policies_and_budgets(packs, source):
     want, full, _ = _greedy(pack)
     index = read_index(pack)
     minimum = max(-(-lb.block_nbytes // 4096) * 4096 for lb in index.layers) * 2
+    sizes = {-(-lb.block_nbytes // 4096) * 4096 for lb in index.layers}
+    assert (len(sizes) > 1) == (source == "Q4_K_M")    # Q4_K_M's layers mix block types
     for policy in ("lru", "lfu", "fifo", "random:7", "s3fifo"):
         for kw in (dict(expert_cache_gib=minimum / 2**30), dict(expert_cache_percent=40),
                    dict(expert_cache_percent=100)):
@@ -48,6 +50,9 @@ def test_cache_is_transparent_across_policies_and_budgets(packs, source):
             assert got == want, (policy, kw)
             assert stats["peak_held_bytes"] <= stats["capacity_bytes"]
             assert stats["hits"] + stats["misses"] > 0
+            if len(sizes) > 1 and kw.get("expert_cache_percent") == 40:
+                # the layers' blocks differ in size: misses took free slots of other sizes
+                assert stats["reshaped_slots"] > 0, (policy, kw)
     got, stats, _ = _greedy(pack, expert_cache_percent=40, prefetch="confidence:0.2")
     # prefetch ran (the routers of this model give top-2 weights >= 0.2), went through the same
     # byte budget, and each prefetched block was either used, evicted unused, or is still waiting
@@ -57,6 +62,24 @@ def test_cache_is_transparent_across_policies_and_budgets(packs, source):
     assert stats["peak_held_bytes"] <= stats["capacity_bytes"]
     got, _, _ = _greedy(pack, expert_cache_percent=40, lookahead=True)
     assert got == want
+
+
+def test_slot_memory_resizes_keeping_its_bytes_and_its_tensor_over_them():
+    from mawforge.cache.store import SlotMemory, round_page
+    m = SlotMemory(10000)
+    assert m.size == round_page(10000) and m.host.numel() == m.size and m.host.data_ptr() % 4096 == 0
+    m.host.copy_(torch.arange(m.size, dtype=torch.int64).remainder(251).to(torch.uint8))
+    want = m.host.clone()
+    m.resize(3 * 4096)                      # shrink: the first pages stay as they were
+    assert m.size == 3 * 4096 and torch.equal(m.host, want[:3 * 4096])
+    m.resize(40000)                         # grow: kept pages first, new pages zero
+    assert m.size == round_page(40000) and torch.equal(m.host[:3 * 4096], want[:3 * 4096])
+    assert int(m.host[3 * 4096:].sum()) == 0
+    m.host[-1] = 7
+    assert m.buf[-1] == 7                   # preadv's buffer and the tensor are the same bytes
+    m.close()
+    assert m.host is None and m.buf is None
+    m.close()                               # a second close does nothing
 
 
 def test_smaller_cache_misses_more(packs):

@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as QT
 
 from mawforge.cache.core import CacheCore, RouteDriver, check_capacity
 from mawforge.cache.policies import make_policy, make_prefetcher
-from mawforge.cache.store import ExpertStore, aligned_buffer, round_page
+from mawforge.cache.store import ExpertStore, SlotMemory, round_page
 from mawforge.codecs import quants
 from mawforge.pack.manifest import ExpertIndex
 
@@ -28,13 +28,29 @@ Key = tuple[int, int]
 
 
 class _Slot:
-    __slots__ = ("mm", "host", "dev", "size", "weights")
+    __slots__ = ("mem", "dev", "size", "weights", "device")
 
     def __init__(self, size: int, device: torch.device):
-        self.size = size
-        self.mm, self.host = aligned_buffer(size)
-        self.dev = self.host if device.type == "cpu" else torch.empty(size, dtype=torch.uint8, device=device)
+        self.size, self.device = size, device
+        self.mem = SlotMemory(size)
+        self.dev = self.mem.host if device.type == "cpu" else torch.empty(size, dtype=torch.uint8, device=device)
         self.weights: dict[str, quants.PackedWeight] = {}
+
+    @property
+    def host(self) -> torch.Tensor:
+        return self.mem.host
+
+    def resize(self, size: int) -> None:
+        """A free slot (no tensors over it) of another size class, reshaped for a block of `size`."""
+        self.dev = None
+        self.mem.resize(size)
+        self.size = size
+        cpu = self.device.type == "cpu"
+        self.dev = self.mem.host if cpu else torch.empty(size, dtype=torch.uint8, device=self.device)
+
+    def close(self) -> None:
+        self.dev = None
+        self.mem.close()
 
 
 class ExpertCache:
@@ -50,16 +66,18 @@ class ExpertCache:
         self.free: dict[int, list[_Slot]] = {}
         self.held = 0                       # bytes of all slots, in use or free
         self.peak_held = 0
+        self.reshaped = 0                   # free slots turned into another size class (SlotMemory.resize)
         self.pending: dict[Key, Future] = {}
         self.load_seconds = 0.0             # wall time spent waiting on demand loads
         self.prefetch_stall_seconds = 0.0   # wall time computing waited on in-flight prefetches
         self.demand_loaded_bytes = 0
         self.prefill_keys: set[Key] = set()  # distinct blocks prefill steps routed to (reset per request)
         self.n_blocks = sum(len(lb.offsets) for lb in index.layers)
-        self._templates = [[(t.name, t.codec, QT[t.qtype], tuple(t.shape),
-                             [p.offset for p in t.parts],
-                             [quants.PartSpec(p.name, p.dtype, p.shape) for p in t.parts])
-                            for t in lb.tensors] for lb in index.layers]
+        # per layer, each tensor's (name, make(buf) -> PackedWeight): the views' checks made once
+        self._templates = [[(t.name, quants.get_codec(t.codec).view_plan(
+                                self.slot_bytes[layer], [p.offset for p in t.parts],
+                                [quants.PartSpec(p.name, p.dtype, p.shape) for p in t.parts], QT[t.qtype], tuple(t.shape)))
+                            for t in lb.tensors] for layer, lb in enumerate(index.layers)]
 
     # ---- accounting shared with replay -----------------------------------------------
     def block_bytes(self, layer: int, expert: int) -> int:
@@ -83,15 +101,24 @@ class ExpertCache:
         self.free.setdefault(slot.size, []).append(slot)
 
     def _take(self, size: int) -> _Slot:
+        """A slot for a block of `size` bytes: a free one of that size, else a new one while the
+        budget has room, else a free slot of another size class reshaped (its pages kept, see
+        SlotMemory), giving back whole free slots first where the reshape would not fit."""
         pool = self.free.get(size)
         if pool:
             return pool.pop()
         while self.held + size > self.capacity:
-            # free slots of other size classes give their bytes back
             other = next((s for s in self.free if self.free[s]), None)
             if other is None:
                 raise AssertionError("expert cache storage would exceed its budget")
-            self.free[other].pop().mm.close()
+            slot = self.free[other].pop()
+            if self.held - other + size <= self.capacity:
+                slot.resize(size)
+                self.held += size - other
+                self.peak_held = max(self.peak_held, self.held)
+                self.reshaped += 1
+                return slot
+            slot.close()
             self.held -= other
         self.held += size
         self.peak_held = max(self.peak_held, self.held)
@@ -102,8 +129,7 @@ class ExpertCache:
         layer = key[0]
         if slot.dev is not slot.host:
             slot.dev.copy_(slot.host, non_blocking=False)
-        slot.weights = {name: quants.get_codec(codec).view(slot.dev, offs, specs, qt, shape)
-                        for name, codec, qt, shape, offs, specs in self._templates[layer]}
+        slot.weights = {name: make(slot.dev) for name, make in self._templates[layer]}
         self.slots[key] = slot
 
     def _load(self, keys: tuple[Key, ...], asynchronous: bool = False) -> None:
@@ -114,25 +140,26 @@ class ExpertCache:
             jobs.append((key, slot))
         if asynchronous:
             for key, slot in jobs:
-                self.pending[key] = self.store.pool.submit(self._read_bind, key, slot)
+                self.pending[key] = self.store.pool.submit(self.store.read_into, key[0], key[1], slot.mem.buf)
         else:
             t0 = time.perf_counter()
-            self.store.read_many([(k[0], k[1], s.mm) for k, s in jobs])
+            self.store.read_many([(k[0], k[1], s.mem.buf) for k, s in jobs])
             for key, slot in jobs:
                 self._bind(key, slot)
             self.load_seconds += time.perf_counter() - t0
             self.demand_loaded_bytes += sum(s.size for _, s in jobs)
 
-    def _read_bind(self, key: Key, slot: _Slot) -> None:
-        self.store.read_into(key[0], key[1], slot.mm)
-        self._bind(key, slot)
-
     def _ready(self, key: Key) -> _Slot:
+        """The block's slot once its read has arrived. A prefetch's reader thread only reads; its
+        views are made here, on the engine thread, so the readers hold the GIL as little as they
+        can (each grab of it on a 2-core machine waits for, or delays, the compute thread)."""
         fut = self.pending.pop(key, None)
         if fut is not None:
-            t0 = time.perf_counter()
+            late, t0 = not fut.done(), time.perf_counter()
             fut.result()
-            self.prefetch_stall_seconds += time.perf_counter() - t0   # a prefetch that arrived late
+            if late:
+                self.prefetch_stall_seconds += time.perf_counter() - t0   # a prefetch that arrived late
+            self._bind(key, self.slots[key])
         return self.slots[key]
 
     def _run_prefetch(self, plan) -> None:
@@ -206,6 +233,7 @@ class ExpertCache:
     def stats(self) -> dict:
         s = self.core.stats().to_dict()
         s.update(capacity_bytes=self.capacity, held_bytes=self.held, peak_held_bytes=self.peak_held,
+                 reshaped_slots=self.reshaped,
                  minimum_bytes=self.minimum, load_seconds=self.load_seconds,
                  prefetch_stall_seconds=self.prefetch_stall_seconds,
                  demand_loaded_bytes=self.demand_loaded_bytes)

@@ -132,6 +132,20 @@ class Codec:
             views[spec.name] = buf[off:off + spec.nbytes].view(TORCH_DTYPES[spec.dtype]).view(spec.shape)
         return PackedWeight(self.name, T(ggml_type), (int(shape[0]), int(shape[1])), views)
 
+    def view_plan(self, block_bytes: int, offsets: list[int], parts: list[PartSpec], ggml_type: T,
+                  shape: tuple[int, int]):
+        """`view`'s checks made once for a layout inside any `block_bytes`-byte buffer whose start is
+        page-aligned (an expert slot); returns make(buf) -> PackedWeight, which only slices. The
+        expert cache binds a block on every read, so the checks (and their numpy) are not redone."""
+        self.view(torch.empty(block_bytes, dtype=torch.uint8, device="meta"), offsets, parts, ggml_type, shape)
+        name, qt, shp = self.name, T(ggml_type), (int(shape[0]), int(shape[1]))
+        cuts = [(spec.name, off, off + spec.nbytes, TORCH_DTYPES[spec.dtype], spec.shape)
+                for off, spec in zip(offsets, parts)]
+
+        def make(buf: torch.Tensor) -> PackedWeight:
+            return PackedWeight(name, qt, shp, {n: buf[a:b].view(dt).view(sh) for n, a, b, dt, sh in cuts})
+        return make
+
 
 def _check_raw(raw: np.ndarray, ggml_type: T, shape: tuple[int, int]) -> np.ndarray:
     n, k = shape
