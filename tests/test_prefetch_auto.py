@@ -49,6 +49,48 @@ def test_governor_keeps_prefetch_on_when_it_wins():
     assert sum(states[10:]) > sum(not s for s in states[10:])
 
 
+def test_probes_of_a_losing_state_grow_rarer_while_it_keeps_losing():
+    from mawforge.engine.online import OnlineChooser
+    c = OnlineChooser(("on", "off"), window=1, probe_every=2, max_probe_every=8)
+    seen = []
+    for _ in range(60):
+        arm = c.mode()
+        seen.append(arm)
+        c.record(arm, 1, 0.1 if arm == "on" else 0.2)
+    offs = [i for i, a in enumerate(seen) if a == "off"]
+    gaps = [b - a for a, b in zip(offs, offs[1:])]
+    assert offs[0] == 1                                    # explored right after the first window
+    assert gaps[:4] == [2, 4, 8, 8] and set(gaps[2:]) == {8}   # a probe every 2, 4, then 8 windows at most
+    assert c.interval == 8
+    c.reprobe()                                            # a new phase: the first interval again
+    assert c.interval == 2
+    # a probe that changes the choice restores the first interval too
+    c = OnlineChooser(("on", "off"), window=1, probe_every=2, max_probe_every=8)
+    for i in range(40):
+        arm = c.mode()
+        c.record(arm, 1, (0.1 if arm == "on" else 0.2) if i < 20 else (0.3 if arm == "on" else 0.2))
+    assert c.mode() == "off" or c.interval == 2
+    with pytest.raises(ValueError):
+        OnlineChooser(("on", "off"), probe_every=4, max_probe_every=2)
+
+
+def test_prefetch_choice_outlives_a_request_and_threads_are_measured_afresh(packs):
+    rt = Runtime(packs[("qwen3_moe", "Q4_K_M")], RuntimeOptions(context=320, prefill_chunk=16, expert_cache_percent=40))
+    try:
+        pc, tc = rt.prefetch_governor.chooser, (rt.governor.chooser if rt.governor is not None else None)
+        for arm, secs in (("on", 0.1), ("off", 0.2)):
+            pc.record(arm, pc.window, secs * pc.window)
+        if tc is not None:
+            for arm in tc.arms:
+                tc.record(arm, tc.window, 0.1 * tc.window)
+        rt.reset()
+        assert pc._queue == [] and pc.mode() == "on"           # prefetch: no re-measuring of "off"
+        if tc is not None:
+            assert tc._queue                                   # threads: the others measured again
+    finally:
+        rt.close()
+
+
 def test_a_prefetch_spares_the_blocks_about_to_be_used():
     B = 100
     core = CacheCore(3 * B, make_policy("lru"))
@@ -99,7 +141,7 @@ def auto_run(packs, tmp_path_factory):
     try:
         ids = rt.tokenizer.encode("The expert cache keeps what the router asks for")
         evs = list(generate(rt, ids, SamplingParams(max_tokens=32, ignore_eos=True)))
-        recorder.set_live(rt.plan.E, "lru", rt.prefetch_spec, rt.cache.core.stats())
+        recorder.set_live(rt.plan.E, rt.opts.policy, rt.prefetch_spec, rt.cache.core.stats())
         recorder.save(path)
         stats = rt.cache.stats()
     finally:

@@ -357,18 +357,20 @@ class RouteDriver:
         self.enabled = True     # False: this step issues no prefetch (`--prefetch auto` measuring "off")
         self.kind = "decode"
         self.n_tokens = 0
+        self.next_layer = 0     # the layer whose experts this step computes next (lookahead spares from it)
 
     def begin_step(self, kind: str, n_tokens: int) -> PrefetchPlan:
         """Start a step; returns the prefetch for the first MoE layer (live: start it)."""
         if kind not in ("prefill", "decode"):
             raise ValueError(f"step kind must be 'prefill' or 'decode', got {kind!r}")
-        self.kind, self.n_tokens = kind, n_tokens
+        self.kind, self.n_tokens, self.next_layer = kind, n_tokens, 0
         if self.prefetcher is None or not self.enabled:
             return EMPTY_PLAN
         return self._prefetch_before(None)
 
     def layer(self, layer: int, experts, weights=None) -> Iterator[Group]:
         """experts, weights: [T, k] (numpy or nested lists). Yields groups; exhaust it."""
+        self.next_layer = layer + 1
         if self.prefetcher is not None:
             self.prefetcher.observe(layer, experts, weights)
         core, size_of = self.core, self.block_bytes
@@ -405,20 +407,27 @@ class RouteDriver:
         return EMPTY_PLAN
 
     def lookahead(self, keys: Iterable[Key]) -> PrefetchPlan:
-        """A router-lookahead prefetch for layer l, issued before layer l-1's experts run: it
-        spares the blocks of layers l-1 and l (both about to be used)."""
-        return self.prefetch(keys, spare_before=1)
+        """A router-lookahead prefetch for a later layer l (one or more ahead), issued before the
+        experts of the layer this step computes next: it spares the blocks of every layer from
+        that one to l (all about to be used). The same keys at the same point give the same
+        plan live and in replay: the spared range follows from the layers driven so far."""
+        keys = list(keys)
+        if not keys:
+            return EMPTY_PLAN
+        return self.prefetch(keys, spare_from=self.next_layer)
 
-    def prefetch(self, keys: Iterable[Key], touch: bool = False, spare_before: int = 0) -> PrefetchPlan:
+    def prefetch(self, keys: Iterable[Key], touch: bool = False, spare_before: int = 0,
+                 spare_from: int | None = None) -> PrefetchPlan:
         """Issue speculative loads through the byte budget. Keys of one plan are pinned while
         it is built, so a plan never evicts its own loads, and a prefetch for layer l never
-        evicts a block of layer l (nor of the `spare_before` layers before it): those are about
-        to be used, so making room with them would turn a likely hit into a miss. Such a
-        prefetch is dropped instead."""
+        evicts a block of layer l (nor of the `spare_before` layers before it, or of the layers
+        from `spare_from` on, where given): those are about to be used, so making room with them
+        would turn a likely hit into a miss. Such a prefetch is dropped instead."""
         loads, evicted, probed, pinned = [], [], [], []
         try:
             for key in keys:
-                lo, hi = key[0] - spare_before, key[0]
+                hi = key[0]
+                lo = hi - spare_before if spare_from is None else min(spare_from, hi)
                 status, gone = self.core.prefetch(key, self.block_bytes(*key), touch,
                                                   keep=lambda k, lo=lo, hi=hi: lo <= k[0] <= hi)
                 evicted.extend(gone)

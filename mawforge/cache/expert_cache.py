@@ -55,7 +55,7 @@ class _Slot:
 
 class ExpertCache:
     def __init__(self, store: ExpertStore, index: ExpertIndex, capacity_bytes: int, top_k: int,
-                 device: torch.device, policy: str = "lru", prefetch: str | None = None, recorder=None):
+                 device: torch.device, policy: str = "s3fifo", prefetch: str | None = None, recorder=None):
         self.store, self.index, self.device, self.recorder = store, index, device, recorder
         self.slot_bytes = [round_page(lb.block_nbytes) for lb in index.layers]
         self.minimum = check_capacity(capacity_bytes, self.slot_bytes, top_k)

@@ -212,6 +212,13 @@ class S3FIFO(Policy, name="s3fifo"):
     block sizes by measuring queues in bytes. A ghost FIFO (keys only, up to 90% of
     capacity in bytes) readmits recently evicted blocks straight into the main queue.
     Pinned blocks are passed over in place; they keep their position and counter.
+
+    The runtime's default. On route traces of the full-size (48-layer, Qwen3-30B-A3B-shape) file
+    inside 8 GiB, replayed with the live run's router lookaheads, it read 5% fewer bytes a token
+    than LRU teacher-forced (194 against 205 MB), 24% fewer in greedy decoding on the bench
+    prompts (37 against 48 MB) and 7% fewer in their prefills (work recorded in RESULTS.md).
+    LFU reads fewer than both without prefetch but many more with it: a prefetched block enters
+    with the lowest count and is evicted before its use.
     """
 
     SMALL_FRACTION = 0.10

@@ -11,12 +11,21 @@ class OnlineChooser:
     """Picks one of `arms` per window of `window` tokens. Each arm's tokens/s is an exponential
     moving average over its windows. It explores every arm first (in the given order), then runs
     the fastest, re-probing the others one window in every `probe_every` (round robin), so a
-    change (route locality, acceptance, a core taken by another program) is noticed."""
+    change (route locality, acceptance, a core taken by another program) is noticed.
 
-    def __init__(self, arms: Sequence[Hashable], window: int = 8, probe_every: int = 4, alpha: float = 0.5):
-        if not arms or window < 1 or probe_every < 1:
-            raise ValueError("need at least one arm, a positive window and a positive probe interval")
+    With `max_probe_every`, a probe that leaves the choice as it was doubles the interval, up
+    to that many windows, and a probe that changes it (or `reprobe`) restores `probe_every`:
+    while one arm keeps winning, its probes cost ever fewer of the tokens."""
+
+    def __init__(self, arms: Sequence[Hashable], window: int = 8, probe_every: int = 4, alpha: float = 0.5,
+                 max_probe_every: int | None = None):
+        if not arms or window < 1 or probe_every < 1 or (max_probe_every is not None and max_probe_every < probe_every):
+            raise ValueError("need at least one arm, a positive window and a positive probe interval "
+                             "(no larger than the largest)")
         self.arms, self.window, self.probe_every, self.alpha = tuple(arms), window, probe_every, alpha
+        self.max_probe_every = max_probe_every or probe_every
+        self.interval = probe_every     # windows between probes now
+        self._probing = None            # the arm chosen before the probe window now running
         self.rate: dict = {a: None for a in self.arms}
         self.windows = {a: 0 for a in self.arms}
         self.current = self.arms[0]
@@ -44,6 +53,7 @@ class OnlineChooser:
         arm once more before choosing again. Nothing changes while arms are still unexplored."""
         if all(self.rate[a] is not None for a in self.arms):
             self._queue = [a for a in self.arms if a != self.current]
+            self.interval = self.probe_every
 
     def _next(self):
         unknown = [a for a in self.arms if self.rate[a] is None]
@@ -52,10 +62,15 @@ class OnlineChooser:
         if self._queue:
             return self._queue.pop(0)
         best = max(self.arms, key=lambda a: self.rate[a])        # ties: the earlier arm
+        if self._probing is not None:   # a probe window just ended: did it change the choice?
+            kept = best == self._probing
+            self.interval = min(2 * self.interval, self.max_probe_every) if kept else self.probe_every
+            self._probing = None
         others = [a for a in self.arms if a != best]
         self._since_probe += 1
-        if others and self._since_probe >= self.probe_every:
+        if others and self._since_probe >= self.interval:
             self._since_probe = 0
             self._probe += 1
+            self._probing = best
             return others[(self._probe - 1) % len(others)]
         return best
