@@ -115,6 +115,47 @@ def test_a_prefetch_spares_the_blocks_about_to_be_used():
     assert not hit and gone == [(1, 0)]
 
 
+def test_a_lookahead_two_layers_ahead_spares_every_layer_up_to_it():
+    B = 100
+    core = CacheCore(4 * B, make_policy("lru"))
+    driver = RouteDriver(core, lambda layer, e: B)
+    driver.begin_step("decode", 1)
+    for key in ((3, 1), (1, 0), (2, 4), (5, 5)):
+        core.access(key, B)
+    list(driver.layer(0, np.array([[7]]), np.array([[1.0]])))     # layer 0 computed: (3, 1) evicted
+    assert driver.next_layer == 1 and (3, 1) not in core
+    # issued before layer 1's experts, for layers 2 and 3: layer 1's and 2's blocks are spared,
+    # so the room comes from layer 5's and then layer 0's, the oldest outside [1, 3]
+    plan = driver.lookahead([(2, 6), (3, 2)])
+    assert plan.loads == ((2, 6), (3, 2)) and plan.evicted == ((5, 5), (0, 7))
+    # nothing outside [1, 3] is left: a further load is dropped, evicting nothing
+    plan = driver.lookahead([(3, 3)])
+    assert plan.loads == () and plan.evicted == () and core.stats().prefetch_spared == 1
+    driver.begin_step("decode", 1)                                 # a new step starts at layer 0
+    assert driver.next_layer == 0
+
+
+def test_a_demand_read_goes_before_queued_prefetches():
+    import threading
+    from mawforge.cache.store import ReadPool
+    pool = ReadPool(1)
+    gate, started, order = threading.Event(), threading.Event(), []
+    first = pool.submit(lambda: (started.set(), gate.wait(5), order.append("running"))[2])
+    assert started.wait(5)                   # the one reader is busy: what follows queues
+    later = [pool.submit(order.append, f"prefetch {i}") for i in range(3)]
+    miss = pool.submit(order.append, "demand", demand=True)
+    bad = pool.submit(lambda: 1 / 0)
+    gate.set()
+    for f in (first, *later, miss):
+        f.result(5)
+    assert order == ["running", "demand", "prefetch 0", "prefetch 1", "prefetch 2"]
+    with pytest.raises(ZeroDivisionError):
+        bad.result(5)
+    pool.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.submit(order.append, "late")
+
+
 def test_a_disabled_driver_issues_no_prefetch():
     core = CacheCore(4 * 100, make_policy("lru"))
     from mawforge.cache.policies import make_prefetcher

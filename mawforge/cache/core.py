@@ -273,10 +273,7 @@ class CacheCore:
         'probe' (already resident; with touch=True the policy sees a hit, refreshing
         recency), 'load' (now resident, counted as issued), 'drop' (pins leave no room, or
         only blocks that `keep` spares could make room; the evicted list may then be non-empty)."""
-        if key in self._size:
-            self._pf["probes"] += 1
-            if touch:
-                self.policy.on_hit(key)
+        if self.probe(key, touch):
             return "probe", []
         if not self._fits_after_eviction(nbytes):
             self._pf["dropped"] += 1
@@ -292,6 +289,16 @@ class CacheCore:
         if self.heat is not None:
             self.heat[3, key[0] * self._experts + key[1]] += 1
         return "load", evicted
+
+    def probe(self, key: Key, touch: bool = False) -> bool:
+        """A prefetch of a resident block: counted as a probe (with touch, the policy sees a hit).
+        False, doing nothing, where the block is not resident."""
+        if key not in self._size:
+            return False
+        self._pf["probes"] += 1
+        if touch:
+            self.policy.on_hit(key)
+        return True
 
     # -- counters ------------------------------------------------------------------
     def snapshot(self) -> dict:
@@ -424,8 +431,14 @@ class RouteDriver:
         from `spare_from` on, where given): those are about to be used, so making room with them
         would turn a likely hit into a miss. Such a prefetch is dropped instead."""
         loads, evicted, probed, pinned = [], [], [], []
+        core = self.core
         try:
             for key in keys:
+                if core.probe(key, touch):        # resident: the common case, kept cheap
+                    probed.append(key)
+                    core.pin(key)
+                    pinned.append(key)
+                    continue
                 hi = key[0]
                 lo = hi - spare_before if spare_from is None else min(spare_from, hi)
                 status, gone = self.core.prefetch(key, self.block_bytes(*key), touch,

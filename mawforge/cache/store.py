@@ -12,7 +12,8 @@ import mmap
 import os
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -127,6 +128,55 @@ class SlotMemory:
             self._pages = None
 
 
+class ReadPool:
+    """Reader threads serving two queues: demand reads (a miss the compute waits for) before any
+    queued prefetch. With one FIFO a miss waited behind every prefetch issued before it, up to
+    two layers' worth of reads in a prefill chunk (about 0.5 s at full size); here it takes the
+    next free reader. `submit` and `shutdown` as concurrent.futures' executors."""
+
+    def __init__(self, threads: int, name: str = "mawforge-read") -> None:
+        self._demand: deque = deque()
+        self._prefetch: deque = deque()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
+                         for i in range(max(1, threads))]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn, *args, demand: bool = False) -> Future:
+        fut: Future = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("read pool is shut down")
+            (self._demand if demand else self._prefetch).append((fut, fn, args))
+            self._cv.notify()
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._demand or self._prefetch or self._closed):
+                    self._cv.wait()
+                if not (self._demand or self._prefetch):
+                    return                      # closed and drained
+                fut, fn, args = (self._demand or self._prefetch).popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:          # noqa: BLE001 - handed to the waiter
+                fut.set_exception(e)
+
+    def shutdown(self, wait: bool = True) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if wait:
+            for t in self._threads:
+                t.join()
+
+
 class ExpertStore:
     def __init__(self, pack: Path, index: ExpertIndex, *, direct: bool = True,
                  check_digests: bool = True, threads: int = 4):
@@ -149,7 +199,7 @@ class ExpertStore:
                 pass          # tmpfs and some filesystems refuse O_DIRECT: buffered fallback
         if not self.direct:
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
-        self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="mawforge-read")
+        self.pool = ReadPool(threads)
         self.bytes_read = 0
 
     def _probe_direct(self, fd: int) -> bool:
@@ -181,11 +231,12 @@ class ExpertStore:
         return n
 
     def read_many(self, jobs: list[tuple[int, int, mmap.mmap]]) -> None:
-        """Read several blocks concurrently; re-raises the first error."""
+        """Read several blocks concurrently, ahead of any queued prefetch; re-raises the first error.
+        One block is read on the calling thread (it would wait for it anyway)."""
         if len(jobs) == 1:
             self.read_into(*jobs[0])
             return
-        for f in [self.pool.submit(self.read_into, *j) for j in jobs]:
+        for f in [self.pool.submit(self.read_into, *j, demand=True) for j in jobs]:
             f.result()
 
     def close(self) -> None:

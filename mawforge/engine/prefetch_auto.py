@@ -2,13 +2,13 @@
 
 Prefetch hides a read behind compute when it guesses right and costs a read (and maybe a
 useful block's eviction) when it guesses wrong; which wins depends on the model, the budget and
-the routing, so the runtime measures it. Two prefetchers run together when it is on:
-- the next token's likely experts: before each MoE layer, the experts the previous token sent
-  to that layer with normalized weight >= 0.2 (`confidence:0.2`, cache/policies.py);
-- the next layer's likely experts: layer l+1's router applied to layer l's FFN input, issued
-  before layer l's experts run (router lookahead, engine/runtime.py).
-Both go through the cache's byte budget, and a prefetch for layer l never evicts a block of
-layer l or l-1 (RouteDriver.prefetch): it is dropped instead.
+the routing, so the runtime measures it. When it is on, the prefetch is router lookahead: layer
+l+2's router applied to layer l's FFN input, issued before layer l's experts run (LOOKAHEAD,
+engine/runtime.py). It goes through the cache's byte budget, and never evicts a block of the
+layers from l to the one it is for (RouteDriver.lookahead): it is dropped instead. (The
+next-token prefetcher `confidence:0.2`, the previous token's experts with weight >= 0.2, ran
+beside it until replays of full-size traces showed it changed no byte read: those experts are
+resident already. It is still there as `--prefetch confidence:0.2`.)
 
 One-token decode steps alternate windows of prefetch on and off through the same OnlineChooser
 as the thread governor and `auto` speculation, timed by whole-step wall time (reads included:
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from mawforge.engine.online import OnlineChooser
 
-AUTO_PREFETCHER = "confidence:0.2"
+AUTO_PREFETCHER = None       # no per-layer prefetcher beside the lookahead (see above)
 ARMS = ("on", "off")
 MAX_SWITCHES_KEPT = 16
 

@@ -23,14 +23,17 @@ from mawforge.pack.manifest import read_index, read_manifest
 from mawforge.plan import GiB, PackFacts, framework_in_process, make_plan
 
 
-# Router lookahead (on under --prefetch auto): before layer l's experts, the routers of layers
-# l+1 .. l+LOOKAHEAD are applied to layer l's FFN input and their picks prefetched, so a read
-# has two layers of compute to arrive in (one layer's, about 3 ms at full size, is one block's
-# read). On the full-size synthetic file the picks were right for ranks 1-6 in 98-100% of
-# layers at one and two layers ahead, rank 7 in 95% / 92%, rank 8 in 78% / 72%: the farther
-# layer leaves out its last LOOKAHEAD_FAR_DROP ranks (the nearer one, a layer later, asks them).
+# Router lookahead (on under --prefetch auto): before layer l's experts, layer l+LOOKAHEAD's
+# router is applied to layer l's FFN input and its picks are prefetched (layer 0 also asks for
+# the layers between), so each router runs once a token for the lookahead and a read has two
+# layers of compute to arrive in (one layer's, about 3 ms at full size, is about one block's
+# read). On the full-size synthetic file the picks two layers ahead were right for ranks 1-6 in
+# 98-100% of layers, rank 7 in 92%, rank 8 in 72% (one layer ahead: 95% and 78%). Inside 8 GiB,
+# alternating runs of this, one layer ahead, and both (the farther without its last two ranks)
+# decoded teacher-forced within this VM's noise of each other (3.4-3.8 tok/s) with TTFTs of
+# 9.9-11.6 s for 64 tokens; this one costs one router GEMV a layer instead of two, which a
+# greedy request inside 8 GiB, where few reads are left to hide, pays for in full.
 LOOKAHEAD = 2
-LOOKAHEAD_FAR_DROP = 2
 
 
 @dataclass(frozen=True)
@@ -106,22 +109,17 @@ class Runtime:
                          and self.device.type == "cpu" and native.available() else None)
 
     def _lookahead(self, layer: int, x: torch.Tensor) -> None:
-        """Apply the routers of the next LOOKAHEAD layers to this layer's FFN input and prefetch
-        what they would pick (the farther layer only its top LOOKAHEAD_FAR_RANKS), one plan
-        sparing every layer from this one to the farthest."""
+        """Apply layer+LOOKAHEAD's router (at layer 0 also the nearer ones') to this layer's FFN
+        input and prefetch what it would pick, in one plan sparing every layer from this one on."""
         if not self.cache.driver.enabled:
             return                  # a measuring window with prefetch off
-        keys, k = [], self.cfg.top_k
-        for ahead in range(1, LOOKAHEAD + 1):
-            nxt = layer + ahead
-            if nxt >= self.cfg.n_layers:
-                break
-            if nxt in self.cfg.args.dense_layers:
-                continue            # no router there
-            idx, _ = self.model.route(nxt, x)                     # [T, k], best first
-            if ahead > 1:
-                idx = idx[:, :max(1, k - LOOKAHEAD_FAR_DROP)]
-            keys += [(nxt, int(e)) for e in torch.unique(idx).tolist()]
+        keys = []
+        for nxt in range(layer + 1 if layer == 0 else layer + LOOKAHEAD, layer + LOOKAHEAD + 1):
+            if nxt >= self.cfg.n_layers or nxt in self.cfg.args.dense_layers:
+                continue            # no such layer, or no router there
+            idx, _ = self.model.route(nxt, x)                                  # [T, k]
+            picked = sorted(set(idx[0].tolist())) if idx.shape[0] == 1 else torch.unique(idx).tolist()
+            keys += [(nxt, e) for e in picked]
         if keys:
             self.cache.lookahead(keys)
 
