@@ -135,6 +135,23 @@ def test_a_lookahead_two_layers_ahead_spares_every_layer_up_to_it():
     assert driver.next_layer == 0
 
 
+def test_a_miss_spares_prefetched_blocks_of_its_layer_and_later_ones_while_it_can():
+    B = 100
+    core = CacheCore(3 * B, make_policy("lru"))
+    assert core.prefetch((2, 5), B) == ("load", [])          # the oldest block: a prefetch, not yet used
+    for key in ((0, 1), (0, 2)):
+        core.access(key, B)
+    hit, gone = core.access((1, 3), B)                       # LRU would take (2, 5): layer 2 comes later
+    assert not hit and gone == [(0, 1)]
+    hit, gone = core.access((3, 0), B)                       # (2, 5) is for an earlier layer now: taken
+    assert not hit and gone == [(2, 5)] and core.stats().prefetch_wasted == 1
+    core = CacheCore(2 * B, make_policy("lru"))
+    for key in ((2, 5), (3, 6)):
+        core.prefetch(key, B)
+    hit, gone = core.access((1, 0), B)                       # only spared blocks left: the policy's victim
+    assert gone == [(2, 5)] and core.stats().prefetch_spared == 0
+
+
 def test_a_demand_read_goes_before_queued_prefetches():
     import threading
     from mawforge.cache.store import ReadPool
