@@ -198,8 +198,7 @@ class CacheCore:
             c = self._layers[layer] = [0, 0, 0, 0]
         return c
 
-    def _evict_for(self, nbytes: int, keep: Callable[[Key], bool] | None = None,
-                   count_spared: bool = True) -> tuple[list[Key], bool]:
+    def _evict_for(self, nbytes: int, keep: Callable[[Key], bool] | None = None) -> tuple[list[Key], bool]:
         """Evict until nbytes fit; returns (evicted keys, whether they fit now). keep(key) True
         marks a block this eviction must spare (a prefetch spares the blocks about to be used);
         when only such blocks are left it stops short (what it evicted before stays evicted)."""
@@ -208,8 +207,6 @@ class CacheCore:
         while self.used_bytes + nbytes > self.capacity_bytes:
             key = self.policy.victim(ok)
             if key is None and keep is not None:
-                if count_spared:
-                    self._pf["spared"] += 1
                 return evicted, False
             if key is None or key in self._pins or key not in self._size:
                 raise RuntimeError(f"policy {self.policy.spec} returned bad victim {key}")
@@ -266,10 +263,10 @@ class CacheCore:
         # asked for them up to two layers ahead), and a policy that evicts new blocks first
         # (S3-FIFO's small queue) would drop them for this step's own misses and read them again:
         # a 64-token prefill inside 6 GiB read 16.9 GB for the 11.4 GB its experts need, 11.6 so
+        # (full-size file, Intel Xeon, benchmarks/RESULTS.md runs 8 and 9)
         layer = key[0]
         pending = self._unused_prefetch
-        evicted, fits = self._evict_for(nbytes, (lambda k: k[0] >= layer and k in pending) if pending else None,
-                                        count_spared=False)
+        evicted, fits = self._evict_for(nbytes, (lambda k: k[0] >= layer and k in pending) if pending else None)
         if not fits:
             more, _ = self._evict_for(nbytes)
             evicted += more
@@ -292,8 +289,9 @@ class CacheCore:
             self._pf["dropped"] += 1
             return "drop", []
         evicted, fits = self._evict_for(nbytes, keep)
-        if not fits:
+        if not fits:                      # only blocks `keep` spares were left
             self._pf["dropped"] += 1
+            self._pf["spared"] += 1
             return "drop", evicted
         self._insert(key, nbytes)
         self._unused_prefetch.add(key)
@@ -431,9 +429,6 @@ class RouteDriver:
         experts of the layer this step computes next: it spares the blocks of every layer from
         that one to l (all about to be used). The same keys at the same point give the same
         plan live and in replay: the spared range follows from the layers driven so far."""
-        keys = list(keys)
-        if not keys:
-            return EMPTY_PLAN
         return self.prefetch(keys, spare_from=self.next_layer)
 
     def prefetch(self, keys: Iterable[Key], touch: bool = False, spare_before: int = 0,
@@ -454,17 +449,17 @@ class RouteDriver:
                     continue
                 hi = key[0]
                 lo = hi - spare_before if spare_from is None else min(spare_from, hi)
-                status, gone = self.core.prefetch(key, self.block_bytes(*key), touch,
-                                                  keep=lambda k, lo=lo, hi=hi: lo <= k[0] <= hi)
+                status, gone = core.prefetch(key, self.block_bytes(*key), touch,
+                                             keep=lambda k, lo=lo, hi=hi: lo <= k[0] <= hi)
                 evicted.extend(gone)
                 if status == "drop":
                     continue
-                (loads if status == "load" else probed).append(key)
-                self.core.pin(key)
+                loads.append(key)                 # not resident a moment ago: a load
+                core.pin(key)
                 pinned.append(key)
         finally:
             for key in pinned:
-                self.core.unpin(key)
+                core.unpin(key)
         return PrefetchPlan(tuple(loads), tuple(evicted), tuple(probed))
 
     def _prefetch_before(self, after: int | None) -> PrefetchPlan:

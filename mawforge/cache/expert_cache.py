@@ -33,8 +33,14 @@ class _Slot:
     def __init__(self, size: int, device: torch.device):
         self.size, self.device = size, device
         self.mem = SlotMemory(size)
-        self.dev = self.mem.host if device.type == "cpu" else torch.empty(size, dtype=torch.uint8, device=device)
+        self.dev = self._device_buffer()
         self.weights: dict[str, quants.PackedWeight] = {}
+
+    def _device_buffer(self) -> torch.Tensor:
+        """What the views are made over: the host memory itself on the CPU, else a device copy."""
+        if self.device.type == "cpu":
+            return self.mem.host
+        return torch.empty(self.size, dtype=torch.uint8, device=self.device)
 
     @property
     def host(self) -> torch.Tensor:
@@ -45,8 +51,7 @@ class _Slot:
         self.dev = None
         self.mem.resize(size)
         self.size = size
-        cpu = self.device.type == "cpu"
-        self.dev = self.mem.host if cpu else torch.empty(size, dtype=torch.uint8, device=self.device)
+        self.dev = self._device_buffer()
 
     def close(self) -> None:
         self.dev = None

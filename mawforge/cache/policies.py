@@ -214,9 +214,10 @@ class S3FIFO(Policy, name="s3fifo"):
     Pinned blocks are passed over in place; they keep their position and counter.
 
     The runtime's default. On route traces of the full-size (48-layer, Qwen3-30B-A3B-shape) file
-    inside 8 GiB, replayed with the live run's router lookaheads, it read 5% fewer bytes a token
-    than LRU teacher-forced (194 against 205 MB), 24% fewer in greedy decoding on the bench
-    prompts (37 against 48 MB) and 7% fewer in their prefills (work recorded in RESULTS.md).
+    inside 8 GiB (recorded on the Intel Xeon), replayed with the live run's router lookaheads,
+    it read 5% fewer bytes a token than LRU teacher-forced (194 against 205 MB), 24% fewer in
+    greedy decoding on the bench prompts (37 against 48 MB) and 7% fewer in their prefills
+    (work recorded in RESULTS.md).
     LFU reads fewer than both without prefetch but many more with it: a prefetched block enters
     with the lowest count and is evicted before its use.
     """

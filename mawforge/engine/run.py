@@ -16,11 +16,11 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     add_budget_arguments(p)
     p.add_argument("--policy", default="s3fifo", help="expert cache eviction policy: s3fifo (default), lru, lfu, fifo, random:SEED")
     p.add_argument("--prefetch", default="auto",
-                   help="auto (default: next-token and next-layer prefetch, measured against none by "
+                   help="auto (default: router lookahead two layers ahead, measured against none by "
                         "wall clock and turned off while it loses), none, or a policy such as confidence:0.2")
     p.add_argument("--lookahead", action="store_true",
-                   help="with an explicit --prefetch policy (or none): also prefetch the next layer's "
-                        "experts by router lookahead (always on in auto)")
+                   help="with an explicit --prefetch policy (or none): also prefetch the experts of the "
+                        "layers ahead by router lookahead (always on in auto)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: torch's, the cores)")
     p.add_argument("--no-thread-governor", action="store_true",

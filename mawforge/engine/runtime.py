@@ -27,12 +27,13 @@ from mawforge.plan import GiB, PackFacts, framework_in_process, make_plan
 # router is applied to layer l's FFN input and its picks are prefetched (layer 0 also asks for
 # the layers between), so each router runs once a token for the lookahead and a read has two
 # layers of compute to arrive in (one layer's, about 3 ms at full size, is about one block's
-# read). On the full-size synthetic file the picks two layers ahead were right for ranks 1-6 in
-# 98-100% of layers, rank 7 in 92%, rank 8 in 72% (one layer ahead: 95% and 78%). Inside 8 GiB,
-# alternating runs of this, one layer ahead, and both (the farther without its last two ranks)
-# decoded teacher-forced within this VM's noise of each other (3.4-3.8 tok/s) with TTFTs of
-# 9.9-11.6 s for 64 tokens; this one costs one router GEMV a layer instead of two, which a
-# greedy request inside 8 GiB, where few reads are left to hide, pays for in full.
+# read). On the full-size synthetic file (Intel Xeon, 2026-12-01/02) the picks two layers ahead
+# were right for ranks 1-6 in 98-100% of layers, rank 7 in 92%, rank 8 in 72% (one layer ahead:
+# 95% and 78%). Inside 8 GiB, alternating runs of this, one layer ahead, and both (the farther
+# without its last two ranks) decoded teacher-forced within this VM's noise of each other
+# (3.4-3.8 tok/s) with TTFTs of 9.9-11.6 s for 64 tokens; this one costs one router GEMV a layer
+# instead of two, which a greedy request inside 8 GiB, where few reads are left to hide, pays
+# for in full.
 LOOKAHEAD = 2
 
 
@@ -42,7 +43,7 @@ class RuntimeOptions:
     memory_budget_gib: float | None = None
     expert_cache_percent: float | None = None
     expert_cache_gib: float | None = None
-    policy: str = "s3fifo"            # measured against lru on full-size traces: cache/policies.py S3FIFO
+    policy: str = "s3fifo"             # measured against lru on full-size traces: cache/policies.py S3FIFO
     prefetch: str | None = "auto"      # "auto" (engine/prefetch_auto.py), "none", or a policy spec
     device: str = "cpu"
     stream_embeddings: bool = False
@@ -53,7 +54,7 @@ class RuntimeOptions:
     prefill_chunk: int = 128
     threads: int | None = None
     thread_governor: bool = True       # decode steps choose the kernels' thread count by measured speed
-    lookahead: bool = False            # next-layer router lookahead prefetch (on in "auto")
+    lookahead: bool = False            # router lookahead prefetch, LOOKAHEAD layers ahead (on in "auto")
     reserved_bytes: int = 0            # a draft model's L in this process: the target plans in the rest
     extra_overhead_bytes: int = 0      # held beside the runtime by the caller (serve's dashboard): in O
 
