@@ -3,6 +3,7 @@ both HF expert layouts through transformers, and llama.cpp tokenizing and failin
 (every GGUF generating in llama.cpp and its F32 logits run from tests/conformance/)."""
 import json
 import shutil
+import tempfile
 
 import gguf
 import numpy as np
@@ -14,7 +15,7 @@ from transformers import AutoTokenizer
 
 from mawforge.fixtures import kquants
 from mawforge.fixtures.gguf_writer import permute_rows, write_gguf
-from mawforge.fixtures.llama_ref import LlamaRefError, llama_generate_many, llama_tokenize
+from mawforge.fixtures.llama_ref import LlamaRefError, llama_generate_many, llama_logits, llama_tokenize
 from mawforge.fixtures.tiny import ARCHS, EXPERT_FF, HIDDEN, N_EXPERTS, N_LAYERS, load_hf, routing, tokenizer_for
 from mawforge.fixtures.tokenizer import TinyTokenizer
 from bounds import F32_SAME_OPS_ATOL
@@ -171,9 +172,16 @@ def test_llama_cpp_tokenizes_like_the_hf_tokenizer(fixtures_root, arch):
     assert llama_tokenize(fixtures_root[arch]["gguf"]["Q8_0"], text) == tokenizer_for(arch).tokenizer.encode(text).ids
 
 
-def test_llama_ref_reports_a_broken_file(fixtures_root, tmp_path):
+def test_llama_ref_reports_a_broken_file_and_leaves_no_scratch(fixtures_root, tmp_path, monkeypatch):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where the child's request and answer go
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(fixtures_root["olmoe"]["gguf"]["Q8_0"].read_bytes()[:100_000])
     with pytest.raises(LlamaRefError, match="failed") as err:
         llama_generate_many([broken], "Hi", max_tokens=2)
     assert err.value.stderr
+    gguf = fixtures_root["olmoe"]["gguf"]["Q8_0"]
+    logits = llama_logits(gguf, llama_tokenize(gguf, "Hello there"))
+    assert logits.ndim == 2 and np.isfinite(logits).all()
+    assert list(scratch.iterdir()) == []  # a failed call and a logits call (a .npy answer) both cleaned up
