@@ -34,7 +34,7 @@ def test_governor_turns_prefetch_off_when_it_loses_and_says_why():
     states = _feed(gov, {"on": 0.5, "off": 0.25}, 60)      # prefetch on: 2 tok/s, off: 4 tok/s
     rep = gov.report()
     assert rep["mode"] == "auto" and rep["tok_s"]["on"] == pytest.approx(2.0) and rep["tok_s"]["off"] == pytest.approx(4.0)
-    assert states[:2] == [True, True]                        # starts on, explores off next
+    assert all(states[:6]) and states[6:8] == [False, False]  # on is the prior: off explored after 3 windows
     assert sum(states[10:]) < sum(not s for s in states[10:])  # mostly off once measured
     assert any(s for s in states[10:])                       # but keeps re-probing on
     reasons = [s["why"] for s in rep["recent_switches"] if s["to"] == "off"]
@@ -47,6 +47,50 @@ def test_governor_keeps_prefetch_on_when_it_wins():
     states = _feed(gov, {"on": 0.2, "off": 0.4}, 60)
     assert gov.report()["state"] == "on" or gov.report()["recent_switches"][-1]["why"].startswith("probe")
     assert sum(states[10:]) > sum(not s for s in states[10:])
+
+
+def test_a_change_of_phase_measures_both_states_again():
+    """Teacher-forced tokens read much and prefetch wins; then greedy text reads little and off
+    wins: the drop in reads a token re-measures off at once, not at the next probe 8+ windows on."""
+    gov = PrefetchGovernor(window=2, probe_every=3, max_probe_every=64)
+
+    def feed(n, sec, mb):
+        out = []
+        for _ in range(n):
+            on = gov.before_step()
+            out.append(on)
+            gov.after_step(on, 1, sec["on" if on else "off"], int(mb * 1e6))
+        return out
+    first = feed(60, {"on": 0.25, "off": 0.35}, 200)            # prefetch wins while reads are heavy
+    assert gov.report()["state"] == "on" and sum(first[20:]) >= 36 and gov.phases == 0
+    later = feed(8, {"on": 0.15, "off": 0.12}, 10)              # a 20x drop in reads: off wins now
+    rep = gov.report()
+    assert gov.phases == 1 and later[:2] == [True, True] and not any(later[2:])   # off from the next window on
+    assert rep["tok_s"]["off"] == pytest.approx(1 / 0.12)      # measured afresh, not averaged with the old phase
+    for _ in range(3):          # requests whose first window (just after the prompt) reads more: no new phase
+        gov.new_request()
+        feed(2, {"on": 0.15, "off": 0.12}, 70)
+        feed(4, {"on": 0.15, "off": 0.12}, 10)
+    assert gov.phases == 1
+    assert any(s["why"].startswith("phase: expert reads 200 -> 10 MB a token") for s in rep["recent_switches"])
+    # the same change without read figures waits for the next probe of off
+    blind = PrefetchGovernor(window=2, probe_every=3, max_probe_every=64)
+    for sec, n in (({"on": 0.25, "off": 0.35}, 60), ({"on": 0.15, "off": 0.12}, 8)):
+        for _ in range(n):
+            on = blind.before_step()
+            blind.after_step(on, 1, sec["on" if on else "off"])
+    assert blind.report()["state"] == "on" and blind.phases == 0
+
+
+def test_the_first_arm_is_a_prior_with_explore_after():
+    from mawforge.engine.online import OnlineChooser
+    c = OnlineChooser(("on", "off"), window=1, probe_every=2, explore_after=3)
+    seen = []
+    for _ in range(6):
+        arm = c.mode()
+        seen.append(arm)
+        c.record(arm, 1, 0.1 if arm == "on" else 0.2)
+    assert seen[:4] == ["on", "on", "on", "off"] and c.rate["off"] == pytest.approx(5.0)
 
 
 def test_probes_of_a_losing_state_grow_rarer_while_it_keeps_losing():

@@ -15,15 +15,19 @@ class OnlineChooser:
 
     With `max_probe_every`, a probe that leaves the choice as it was doubles the interval, up
     to that many windows, and a probe that changes it (or `reprobe`) restores `probe_every`:
-    while one arm keeps winning, its probes cost ever fewer of the tokens."""
+    while one arm keeps winning, its probes cost ever fewer of the tokens.
+
+    With `explore_after`, the first arm is the prior: the others are first explored after it
+    has run that many windows (a probe's distance), not in the second window of all."""
 
     def __init__(self, arms: Sequence[Hashable], window: int = 8, probe_every: int = 4, alpha: float = 0.5,
-                 max_probe_every: int | None = None):
+                 max_probe_every: int | None = None, explore_after: int = 0):
         if not arms or window < 1 or probe_every < 1 or (max_probe_every is not None and max_probe_every < probe_every):
             raise ValueError("need at least one arm, a positive window and a positive probe interval "
                              "(no larger than the largest)")
         self.arms, self.window, self.probe_every, self.alpha = tuple(arms), window, probe_every, alpha
         self.max_probe_every = max_probe_every or probe_every
+        self.explore_after = explore_after
         self.interval = probe_every     # windows between probes now
         self._probing = None            # the arm chosen before the probe window now running
         self.rate: dict = {a: None for a in self.arms}
@@ -31,6 +35,7 @@ class OnlineChooser:
         self.current = self.arms[0]
         self._tokens, self._seconds, self._since_probe, self._probe = 0, 0.0, 0, 0
         self._queue: list = []
+        self._fresh: set = set()        # arms whose next window replaces their average (reprobe)
 
     def mode(self):
         return self.current
@@ -41,24 +46,31 @@ class OnlineChooser:
         if self._tokens < self.window:
             return
         rate = self._tokens / max(self._seconds, 1e-9)
-        old = self.rate[arm]
+        old = None if arm in self._fresh else self.rate[arm]
+        self._fresh.discard(arm)
         self.rate[arm] = rate if old is None else self.alpha * rate + (1 - self.alpha) * old
         self.windows[arm] += 1
         self._tokens, self._seconds = 0, 0.0
         self.current = self._next()
 
-    def reprobe(self) -> None:
+    def reprobe(self, fresh: bool = False) -> None:
         """A new phase begins (a new request: other prompt, other routing, other read rate), so the
         rates measured so far may not hold: the windows after the current one measure every other
-        arm once more before choosing again. Nothing changes while arms are still unexplored."""
+        arm once more before choosing again. Nothing changes while arms are still unexplored.
+        fresh: the phase is known to differ, so each arm's next window replaces its average
+        instead of joining it (the current arm's included)."""
         if all(self.rate[a] is not None for a in self.arms):
             self._queue = [a for a in self.arms if a != self.current]
             self.interval = self.probe_every
+            self._since_probe = 0
+            if fresh:
+                self._fresh = set(self.arms)
 
     def _next(self):
         unknown = [a for a in self.arms if self.rate[a] is None]
         if unknown:
-            return unknown[0]
+            prior = self.arms[0]
+            return prior if prior not in unknown and self.windows[prior] < self.explore_after else unknown[0]
         if self._queue:
             return self._queue.pop(0)
         best = max(self.arms, key=lambda a: self.rate[a])        # ties: the earlier arm

@@ -30,29 +30,86 @@ MAX_SWITCHES_KEPT = 16
 class PrefetchGovernor:
     """probe_every: windows between probes of the losing state at first; each probe that leaves
     the choice as it was doubles it, up to max_probe_every (OnlineChooser), so with prefetch
-    winning its off-probes cost 1/64 of the tokens in the end rather than 1/8."""
+    winning its off-probes cost 1/64 of the tokens in the end rather than 1/8.
+
+    On is the prior: off is first measured after `probe_every` windows of on, not in the
+    second window of a process. A cold cache misses most, which is where prefetch wins, and
+    an early off-window cost a fresh process's first teacher-forced tokens inside 8 GiB a
+    fifth of their speed (8 of 28 tokens at 3.1 against 4.2 tok/s).
+
+    A phase change re-measures both states: when a window's expert reads per token (demand
+    and prefetch, `read_bytes` of after_step) differ from the recent windows' by PHASE_FACTOR
+    or more, the next window runs the other state. Teacher-forced random tokens inside 8 GiB
+    read about 210 MB a token, greedy text after a prompt about 10: there prefetch has little
+    to hide and its router GEMVs cost more than it hides (8 GiB, full size, in one process:
+    7.4-8.0 tok/s off against 6.9-7.3 on), while the choice made on the first phase held."""
+
+    PHASE_FACTOR = 4.0
+    PHASE_FLOOR = 1 << 20        # reads below 1 MiB a token count as 1 MiB (no phase in noise)
 
     def __init__(self, window: int = 8, probe_every: int = 8, max_probe_every: int = 64) -> None:
-        self.chooser = OnlineChooser(ARMS, window, probe_every, max_probe_every=max_probe_every)
+        self.chooser = OnlineChooser(ARMS, window, probe_every, max_probe_every=max_probe_every,
+                                     explore_after=probe_every)
         self.tokens = 0
         self.switches: list[dict] = []
         self.n_switches = 0
+        self.phases = 0
+        self._win_tokens, self._win_bytes, self._reads = 0, 0, None   # reads: recent bytes a token
 
     def before_step(self) -> bool:
         """Whether this one-token decode step prefetches."""
         return self.chooser.mode() == "on"
 
-    def after_step(self, on: bool, positions: int, seconds: float) -> None:
+    def after_step(self, on: bool, positions: int, seconds: float, read_bytes: int | None = None) -> None:
         before = self.chooser.mode()
+        if read_bytes is not None:
+            self._phase(positions, read_bytes)
         self.chooser.record("on" if on else "off", positions, seconds)
         self.tokens += positions
         after = self.chooser.mode()
         if after != before:
-            self.n_switches += 1
-            self.switches.append({"token": self.tokens, "to": after, "why": self._why(after)})
-            del self.switches[:-MAX_SWITCHES_KEPT]
+            self._switched(after, self._why(after))
+        self._pending_phase = None
+
+    def _switched(self, to: str, why: str) -> None:
+        self.n_switches += 1
+        self.switches.append({"token": self.tokens, "to": to, "why": why})
+        del self.switches[:-MAX_SWITCHES_KEPT]
+
+    def new_request(self) -> None:
+        """A request begins: its first window's reads are left out of the phase comparison (the
+        first tokens after a prompt miss more than the rest: 60-70 MB a token against 5-13 in
+        greedy text inside 8 GiB, which would call every request a new phase)."""
+        self._win_tokens, self._win_bytes, self._skip = 0, 0, self.chooser.window
+
+    _skip = 0
+
+    def _phase(self, positions: int, read_bytes: int) -> None:
+        """Per window of the chooser's length: compare its reads a token with the recent ones'."""
+        if self._skip > 0:
+            self._skip -= positions
+            return
+        self._win_tokens += positions
+        self._win_bytes += read_bytes
+        if self._win_tokens < self.chooser.window:
+            return
+        rate = max(self._win_bytes / self._win_tokens, self.PHASE_FLOOR)
+        self._win_tokens, self._win_bytes = 0, 0
+        old = self._reads
+        if old is not None and max(rate / old, old / rate) >= self.PHASE_FACTOR:
+            self.phases += 1
+            self.chooser.reprobe(fresh=True)
+            self._pending_phase = f"phase: expert reads {old / 1e6:.3g} -> {rate / 1e6:.3g} MB a token, both states measured again"
+            self._reads = rate
+            return
+        self._reads = rate if old is None else 0.5 * rate + 0.5 * old
+
+    _pending_phase: str | None = None
 
     def _why(self, to: str) -> str:
+        if self._pending_phase is not None:
+            why, self._pending_phase = self._pending_phase, None
+            return why
         rate = self.chooser.rate
         if rate[to] is None:
             return f"exploring: {to} not measured yet"
@@ -66,4 +123,4 @@ class PrefetchGovernor:
         c = self.chooser
         return {"mode": "auto", "state": c.current, "prefetcher": AUTO_PREFETCHER, "lookahead": True,
                 "tok_s": {a: c.rate[a] for a in c.arms}, "windows": dict(c.windows), "probe_every": c.interval,
-                "switches": self.n_switches, "recent_switches": list(self.switches)}
+                "switches": self.n_switches, "recent_switches": list(self.switches), "phases": self.phases}

@@ -136,10 +136,13 @@ class Runtime:
         takes a core) need not hold in the next. The prefetch governor keeps its choice across
         requests (whether prefetch pays depends on the model, the budget and the disk, not on
         the request) and its periodic probes go on: re-measuring "off" for a window at every
-        request cost a third of a 24-token request's tokens."""
+        request cost a third of a 24-token request's tokens. It re-measures both when the
+        reads a token change phase (PrefetchGovernor), a request's first window left out."""
         self.kv.truncate(0)
         if self.governor is not None:
             self.governor.chooser.reprobe()
+        if self.prefetch_governor is not None:
+            self.prefetch_governor.new_request()
 
     def forward(self, tokens: list[int], all_logits: bool = False, kind: str | None = None) -> torch.Tensor:
         """Run tokens at the next positions, in chunks; logits of the last token ([1, V]) or all ([T, V])."""
@@ -164,7 +167,7 @@ class Runtime:
         # auto prefetch times only steps at the thread governor's settled count, so a thread
         # probe's slow window is not charged to the prefetch state that happened to run beside it
         timed = pgov is not None and (gov is None or gov.settled())
-        t_start = time.perf_counter()
+        t_start, read0 = time.perf_counter(), self.store.bytes_read
         if gov is not None:
             threads, waited, t0 = gov.before_step(), self.cache.read_wait_seconds(), time.perf_counter()
         elif self.governor is not None:
@@ -184,7 +187,8 @@ class Runtime:
             gov.after_step(threads, len(tokens),
                            time.perf_counter() - t0 - (self.cache.read_wait_seconds() - waited))
         if timed:
-            pgov.after_step(self.cache.driver.enabled, len(tokens), time.perf_counter() - t_start)
+            pgov.after_step(self.cache.driver.enabled, len(tokens), time.perf_counter() - t_start,
+                            self.store.bytes_read - read0)
         return torch.cat(outs) if all_logits else outs[-1]
 
     def close(self) -> None:
