@@ -20,13 +20,24 @@ from mawforge.trace.record import load_trace
 from mawforge.trace.replay import LIVE_COUNTERS, live_check, replay_policy
 
 
-def _feed(gov: PrefetchGovernor, seconds: dict, tokens: int) -> list[bool]:
+def _feed(gov: PrefetchGovernor, seconds: dict, tokens: int, read_mb: float | None = None) -> list[bool]:
+    """One-token steps at the given seconds a step per state (and MB read a step, if given)."""
     states = []
     for _ in range(tokens):
         on = gov.before_step()
         states.append(on)
-        gov.after_step(on, 1, seconds["on" if on else "off"])
+        gov.after_step(on, 1, seconds["on" if on else "off"], None if read_mb is None else int(read_mb * 1e6))
     return states
+
+
+def _drive(c, windows: int, seconds: dict) -> list:
+    """An OnlineChooser of one-token windows through `windows` windows; the arms it ran."""
+    seen = []
+    for _ in range(windows):
+        arm = c.mode()
+        seen.append(arm)
+        c.record(arm, 1, seconds[arm])
+    return seen
 
 
 def test_governor_turns_prefetch_off_when_it_loses_and_says_why():
@@ -53,54 +64,37 @@ def test_a_change_of_phase_measures_both_states_again():
     """Teacher-forced tokens read much and prefetch wins; then greedy text reads little and off
     wins: the drop in reads a token re-measures off at once, not at the next probe 8+ windows on."""
     gov = PrefetchGovernor(window=2, probe_every=3, max_probe_every=64)
-
-    def feed(n, sec, mb):
-        out = []
-        for _ in range(n):
-            on = gov.before_step()
-            out.append(on)
-            gov.after_step(on, 1, sec["on" if on else "off"], int(mb * 1e6))
-        return out
-    first = feed(60, {"on": 0.25, "off": 0.35}, 200)            # prefetch wins while reads are heavy
+    heavy, light = {"on": 0.25, "off": 0.35}, {"on": 0.15, "off": 0.12}
+    first = _feed(gov, heavy, 60, 200)                          # prefetch wins while reads are heavy
     assert gov.report()["state"] == "on" and sum(first[20:]) >= 36 and gov.phases == 0
-    later = feed(8, {"on": 0.15, "off": 0.12}, 10)              # a 20x drop in reads: off wins now
+    later = _feed(gov, light, 8, 10)                            # a 20x drop in reads: off wins now
     rep = gov.report()
     assert gov.phases == 1 and later[:2] == [True, True] and not any(later[2:])   # off from the next window on
     assert rep["tok_s"]["off"] == pytest.approx(1 / 0.12)      # measured afresh, not averaged with the old phase
+    assert any(s["why"].startswith("phase: expert reads 200 -> 10 MB a token") for s in rep["recent_switches"])
     for _ in range(3):          # requests whose first window (just after the prompt) reads more: no new phase
         gov.new_request()
-        feed(2, {"on": 0.15, "off": 0.12}, 70)
-        feed(4, {"on": 0.15, "off": 0.12}, 10)
+        _feed(gov, light, 2, 70)
+        _feed(gov, light, 4, 10)
     assert gov.phases == 1
-    assert any(s["why"].startswith("phase: expert reads 200 -> 10 MB a token") for s in rep["recent_switches"])
     # the same change without read figures waits for the next probe of off
     blind = PrefetchGovernor(window=2, probe_every=3, max_probe_every=64)
-    for sec, n in (({"on": 0.25, "off": 0.35}, 60), ({"on": 0.15, "off": 0.12}, 8)):
-        for _ in range(n):
-            on = blind.before_step()
-            blind.after_step(on, 1, sec["on" if on else "off"])
+    _feed(blind, heavy, 60)
+    _feed(blind, light, 8)
     assert blind.report()["state"] == "on" and blind.phases == 0
 
 
 def test_the_first_arm_is_a_prior_with_explore_after():
     from mawforge.engine.online import OnlineChooser
     c = OnlineChooser(("on", "off"), window=1, probe_every=2, explore_after=3)
-    seen = []
-    for _ in range(6):
-        arm = c.mode()
-        seen.append(arm)
-        c.record(arm, 1, 0.1 if arm == "on" else 0.2)
+    seen = _drive(c, 6, {"on": 0.1, "off": 0.2})
     assert seen[:4] == ["on", "on", "on", "off"] and c.rate["off"] == pytest.approx(5.0)
 
 
 def test_probes_of_a_losing_state_grow_rarer_while_it_keeps_losing():
     from mawforge.engine.online import OnlineChooser
     c = OnlineChooser(("on", "off"), window=1, probe_every=2, max_probe_every=8)
-    seen = []
-    for _ in range(60):
-        arm = c.mode()
-        seen.append(arm)
-        c.record(arm, 1, 0.1 if arm == "on" else 0.2)
+    seen = _drive(c, 60, {"on": 0.1, "off": 0.2})
     offs = [i for i, a in enumerate(seen) if a == "off"]
     gaps = [b - a for a, b in zip(offs, offs[1:])]
     assert offs[0] == 1                                    # explored right after the first window

@@ -55,6 +55,8 @@ class PrefetchGovernor:
         self.n_switches = 0
         self.phases = 0
         self._win_tokens, self._win_bytes, self._reads = 0, 0, None   # reads: recent bytes a token
+        self._skip = 0                       # tokens of a request's start left out of the phase rule
+        self._pending_phase: str | None = None   # the reason of a switch a phase change causes
 
     def before_step(self) -> bool:
         """Whether this one-token decode step prefetches."""
@@ -82,8 +84,6 @@ class PrefetchGovernor:
         greedy text inside 8 GiB, which would call every request a new phase)."""
         self._win_tokens, self._win_bytes, self._skip = 0, 0, self.chooser.window
 
-    _skip = 0
-
     def _phase(self, positions: int, read_bytes: int) -> None:
         """Per window of the chooser's length: compare its reads a token with the recent ones'."""
         if self._skip > 0:
@@ -103,8 +103,6 @@ class PrefetchGovernor:
             self._reads = rate
             return
         self._reads = rate if old is None else 0.5 * rate + 0.5 * old
-
-    _pending_phase: str | None = None
 
     def _why(self, to: str) -> str:
         if self._pending_phase is not None:
