@@ -56,7 +56,6 @@ class PrefetchGovernor:
         self.phases = 0
         self._win_tokens, self._win_bytes, self._reads = 0, 0, None   # reads: recent bytes a token
         self._skip = 0                       # tokens of a request's start left out of the phase rule
-        self._pending_phase: str | None = None   # the reason of a switch a phase change causes
 
     def before_step(self) -> bool:
         """Whether this one-token decode step prefetches."""
@@ -64,14 +63,12 @@ class PrefetchGovernor:
 
     def after_step(self, on: bool, positions: int, seconds: float, read_bytes: int | None = None) -> None:
         before = self.chooser.mode()
-        if read_bytes is not None:
-            self._phase(positions, read_bytes)
+        phase = self._phase(positions, read_bytes) if read_bytes is not None else None
         self.chooser.record("on" if on else "off", positions, seconds)
         self.tokens += positions
         after = self.chooser.mode()
         if after != before:
-            self._switched(after, self._why(after))
-        self._pending_phase = None
+            self._switched(after, phase or self._why(after))
 
     def _switched(self, to: str, why: str) -> None:
         self.n_switches += 1
@@ -84,30 +81,28 @@ class PrefetchGovernor:
         greedy text inside 8 GiB, which would call every request a new phase)."""
         self._win_tokens, self._win_bytes, self._skip = 0, 0, self.chooser.window
 
-    def _phase(self, positions: int, read_bytes: int) -> None:
-        """Per window of the chooser's length: compare its reads a token with the recent ones'."""
+    def _phase(self, positions: int, read_bytes: int) -> str | None:
+        """Per window of the chooser's length: compare its reads a token with the recent ones'.
+        Returns the reason where they changed phase (both states are then measured again)."""
         if self._skip > 0:
             self._skip -= positions
-            return
+            return None
         self._win_tokens += positions
         self._win_bytes += read_bytes
         if self._win_tokens < self.chooser.window:
-            return
+            return None
         rate = max(self._win_bytes / self._win_tokens, self.PHASE_FLOOR)
         self._win_tokens, self._win_bytes = 0, 0
         old = self._reads
         if old is not None and max(rate / old, old / rate) >= self.PHASE_FACTOR:
             self.phases += 1
             self.chooser.reprobe(fresh=True)
-            self._pending_phase = f"phase: expert reads {old / 1e6:.3g} -> {rate / 1e6:.3g} MB a token, both states measured again"
             self._reads = rate
-            return
+            return f"phase: expert reads {old / 1e6:.3g} -> {rate / 1e6:.3g} MB a token, both states measured again"
         self._reads = rate if old is None else 0.5 * rate + 0.5 * old
+        return None
 
     def _why(self, to: str) -> str:
-        if self._pending_phase is not None:
-            why, self._pending_phase = self._pending_phase, None
-            return why
         rate = self.chooser.rate
         if rate[to] is None:
             return f"exploring: {to} not measured yet"
