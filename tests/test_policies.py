@@ -80,6 +80,65 @@ def test_s3fifo_readmits_ghosts_to_main():
     assert list(policy._ghost) == [(0, 4)]
 
 
+def test_s3fifo_admits_blocks_a_step_reused_to_main():
+    # capacity 10 blocks, small queue 1 block. A prefill-like access with reuse 1.5 or more
+    # (tokens over the uniform share) enters main at once; below it, the small queue.
+    core = CacheCore(10 * B, make_policy("s3fifo"))
+    core.access((0, 1), B, reuse=4.0)
+    core.access((0, 2), B, reuse=1.0)
+    core.access((0, 3), B)
+    policy = core.policy
+    assert list(policy._main) == [(0, 1)] and list(policy._small) == [(0, 2), (0, 3)]
+    # 4..10 fill the cache; 11 and 12 evict the small queue's 2 and 3, never main's unhit 1
+    evicted = []
+    for e in range(4, 13):
+        evicted += core.access((0, e), B)[1]
+    assert evicted == [(0, 2), (0, 3)] and (0, 1) in core
+
+
+def test_s3fifo_first_use_of_a_prefetch_is_not_a_hit():
+    # capacity 10 blocks: 1 and 2 prefetched, then used once (2 with reuse evidence), 3 demand
+    # loaded and hit. The once-used prefetch 1 keeps count 0 and leaves first; 2 went to main.
+    core = CacheCore(10 * B, make_policy("s3fifo"))
+    for e in (1, 2):
+        assert core.prefetch((0, e), B)[0] == "load"
+    assert core.access((0, 1), B) == (True, []) and core.access((0, 2), B, reuse=2.0) == (True, [])
+    core.access((0, 3), B)
+    core.access((0, 3), B)
+    policy = core.policy
+    assert policy._freq[(0, 1)] == 0 and policy._freq[(0, 3)] == 1
+    assert list(policy._main) == [(0, 2)] and list(policy._small) == [(0, 1), (0, 3)]
+    evicted = []
+    for e in range(4, 12):
+        evicted += core.access((0, e), B)[1]
+    assert evicted[0] == (0, 1) and (0, 3) in core   # 3 was hit in small: promoted, not evicted
+    assert core.stats().prefetch_useful == 2
+
+
+def test_driver_reuse_evidence_is_tokens_over_the_uniform_share():
+    # 16 experts, a 4-token step of top-2: the uniform share is 4 * 2 / 16 = 0.5 tokens an
+    # expert. Expert 3 is used by all 4 tokens (reuse 8), 5 by two (4), 7 and 9 by one (0).
+    seen = []
+
+    class Spy(type(make_policy("lru"))):
+        def on_insert(self, key, nbytes, reuse=0.0):
+            seen.append((key[1], reuse))
+            super().on_insert(key, nbytes, reuse)
+
+    core = CacheCore(10 * B, Spy())
+    drv = RouteDriver(core, lambda layer, e: B, n_experts=16)
+    drv.begin_step("prefill", 4)
+    list(drv.layer(0, [[3, 5], [5, 3], [3, 7], [9, 3]]))
+    assert seen == [(3, 8.0), (5, 4.0), (7, 0.0), (9, 0.0)]
+    seen.clear()
+    drv.begin_step("decode", 1)                       # one token: no evidence
+    list(drv.layer(0, [[11, 12]]))
+    assert seen == [(11, 0.0), (12, 0.0)]
+    seen.clear()
+    list(RouteDriver(core, lambda layer, e: B).layer(1, [[3, 5], [5, 3]]))   # no n_experts: none
+    assert seen == [(3, 0.0), (5, 0.0)]
+
+
 def test_random_outcome_when_choice_does_not_matter():
     # capacity 2: 3 evicts 1 or 2; either way the repeated 3 hits and nothing else does
     for seed in range(5):

@@ -89,7 +89,7 @@ def test_replay_reproduces_live_counts_exactly(tmp_path):
     for policy, prefetch in [("lru", None), ("random:2", "confidence:0.2"), ("s3fifo", "preserve:0.2")]:
         rec = TraceRecorder(n_layers=3, n_experts=12, top_k=3, block_bytes=[B, 2 * B, B])
         core = CacheCore(1400, make_policy(policy))
-        drv = RouteDriver(core, lambda layer, e: (B, 2 * B, B)[layer], make_prefetcher(prefetch))
+        drv = RouteDriver(core, lambda layer, e: (B, 2 * B, B)[layer], make_prefetcher(prefetch), n_experts=12)
         for step in source.steps():
             rec.begin_step(step.kind, step.n_tokens)
             drv.begin_step(step.kind, step.n_tokens)

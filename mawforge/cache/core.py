@@ -227,30 +227,33 @@ class CacheCore:
             evicted.append(key)
         return evicted, True
 
-    def _insert(self, key: Key, nbytes: int) -> None:
+    def _insert(self, key: Key, nbytes: int, reuse: float = 0.0) -> None:
         self._size[key] = nbytes
         if self.heat is not None:
             self.resident_map[key[0] * self._experts + key[1]] = True
         self.used_bytes += nbytes
         assert self.used_bytes <= self.capacity_bytes, "expert cache over capacity"
-        self.policy.on_insert(key, nbytes)
+        self.policy.on_insert(key, nbytes, reuse)
 
     def _fits_after_eviction(self, nbytes: int) -> bool:
         return self.pinned_bytes + nbytes <= self.capacity_bytes
 
     # -- the two ways a block becomes resident --------------------------------------
-    def access(self, key: Key, nbytes: int) -> tuple[bool, list[Key]]:
-        """A demand access. Returns (hit, evicted keys in eviction order)."""
+    def access(self, key: Key, nbytes: int, reuse: float = 0.0) -> tuple[bool, list[Key]]:
+        """A demand access. Returns (hit, evicted keys in eviction order). reuse: the step's
+        evidence of reuse for the block, passed to the policy (see policies.py)."""
         counters = self._counters(key[0])
         if key in self._size:
             counters[0] += 1
-            self.policy.on_hit(key)
             if key in self._unused_prefetch:
+                self.policy.on_first_use(key, reuse)
                 self._unused_prefetch.discard(key)
                 self._pf["useful"] += 1
                 self._pf["useful_bytes"] += self._size[key]
                 if self.heat is not None:
                     self.heat[4, key[0] * self._experts + key[1]] += 1
+            else:
+                self.policy.on_hit(key, reuse)
             if self.heat is not None:
                 self.heat[0, key[0] * self._experts + key[1]] += 1
             return True, []
@@ -272,7 +275,7 @@ class CacheCore:
             evicted += more
         counters[1] += 1
         counters[3] += nbytes
-        self._insert(key, nbytes)
+        self._insert(key, nbytes, reuse)
         if self.heat is not None:
             self.heat[1, key[0] * self._experts + key[1]] += 1
         return False, evicted
@@ -368,10 +371,12 @@ EMPTY_PLAN = PrefetchPlan()
 class RouteDriver:
     """Turns routing decisions into cache accesses, identically live and in replay."""
 
-    def __init__(self, core: CacheCore, block_bytes: BlockBytes, prefetcher=None) -> None:
+    def __init__(self, core: CacheCore, block_bytes: BlockBytes, prefetcher=None,
+                 n_experts: int | None = None) -> None:
         self.core = core
         self.block_bytes = block_bytes
         self.prefetcher = prefetcher
+        self.n_experts = n_experts  # for each access's reuse evidence (none computed without it)
         self.enabled = True     # False: this step issues no prefetch (`--prefetch auto` measuring "off")
         self.kind = "decode"
         self.n_tokens = 0
@@ -392,15 +397,16 @@ class RouteDriver:
         if self.prefetcher is not None:
             self.prefetcher.observe(layer, experts, weights)
         core, size_of = self.core, self.block_bytes
-        ids = unique_experts(experts)
+        ids, reuse = self._reuse(experts)
         keys = [(layer, e) for e in ids]
         sizes = [size_of(layer, e) for e in ids]
         pinned: list[Key] = []
         try:
             for start, end in plan_groups(sizes, core.capacity_bytes):
                 misses, evicted = [], []
-                for key, size in zip(keys[start:end], sizes[start:end]):
-                    hit, gone = core.access(key, size)
+                for i in range(start, end):
+                    key = keys[i]
+                    hit, gone = core.access(key, sizes[i], reuse[i] if reuse else 0.0)
                     core.pin(key)
                     pinned.append(key)
                     if not hit:
@@ -413,6 +419,20 @@ class RouteDriver:
         finally:
             for key in pinned:
                 core.unpin(key)
+
+    def _reuse(self, experts) -> tuple[list[int], list[float] | None]:
+        """The layer's distinct experts (ascending) and, for a step of several tokens, each
+        one's evidence of reuse inside the step: the tokens routed to it over its uniform share
+        (T * k / n_experts), 0 where only one token was. A block most of a prompt's tokens use
+        is likely used by the tokens after it; one used once is not (policies.py S3FIFO)."""
+        if self.n_experts is None or len(experts) <= 1:
+            return unique_experts(experts), None
+        arr = np.asarray(experts) if not isinstance(experts, np.ndarray) else experts
+        if arr.ndim != 2 or arr.dtype == object:
+            return unique_experts(experts), None
+        ids, counts = np.unique(arr, return_counts=True)
+        share = arr.size / self.n_experts
+        return ids.tolist(), [c / share if c > 1 else 0.0 for c in counts.tolist()]
 
     def after_layer(self, layer: int) -> PrefetchPlan:
         """Returns the prefetch for the next MoE layer, issued while this one finishes."""

@@ -66,7 +66,7 @@ class ExpertCache:
         self.minimum = check_capacity(capacity_bytes, self.slot_bytes, top_k)
         self.capacity = capacity_bytes
         self.core = CacheCore(capacity_bytes, make_policy(policy))
-        self.driver = RouteDriver(self.core, self.block_bytes, make_prefetcher(prefetch))
+        self.driver = RouteDriver(self.core, self.block_bytes, make_prefetcher(prefetch), index.n_experts)
         self.slots: dict[Key, _Slot] = {}
         self.free: dict[int, list[_Slot]] = {}
         self.held = 0                       # bytes of all slots, in use or free

@@ -75,7 +75,8 @@ class Counterfactual:
 
     def __init__(self, cache) -> None:
         self.core = copy.deepcopy(cache.core)
-        self.driver = RouteDriver(self.core, cache.block_bytes, copy.deepcopy(cache.driver.prefetcher))
+        self.driver = RouteDriver(self.core, cache.block_bytes, copy.deepcopy(cache.driver.prefetcher),
+                                  cache.driver.n_experts)
 
     def run(self, routing: dict[int, tuple[np.ndarray, np.ndarray]], n_tokens: int) -> dict:
         """Replay the first n_tokens positions as single-token steps; returns the counter delta."""

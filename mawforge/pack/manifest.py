@@ -187,6 +187,10 @@ class ExpertIndex:
     def block_bytes(self) -> list[int]:
         return [lb.block_nbytes for lb in self.layers]
 
+    @property
+    def n_experts(self) -> int:
+        return max((len(lb.offsets) for lb in self.layers), default=0)
+
     def total_bytes(self) -> int:
         return sum(lb.block_nbytes * len(lb.offsets) for lb in self.layers)
 

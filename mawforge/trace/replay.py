@@ -86,7 +86,7 @@ def drive(trace: Trace, driver: RouteDriver, live: bool = False) -> None:
 def replay_policy(trace: Trace, capacity_bytes: int, policy: str,
                   prefetch: str | None = None, live: bool = False) -> CacheStats:
     core = CacheCore(capacity_bytes, make_policy(policy))
-    drive(trace, RouteDriver(core, trace.block_bytes_fn(), make_prefetcher(prefetch)), live)
+    drive(trace, RouteDriver(core, trace.block_bytes_fn(), make_prefetcher(prefetch), trace.meta.n_experts), live)
     return core.stats()
 
 
