@@ -3,7 +3,7 @@ and inside cgroup v1 memory limits (12, 8, 6 GiB), MawForge against llama.cpp's 
 (repack on) and its repack-off load, in the same run; each engine both teacher-forced and as
 greedy generation on the prompt classes of `mawforge bench`.
 
-    python benchmarks/fullsize.py [--layers 48] [--limits 12,8,6] [--greedy-tokens 24]
+    python benchmarks/fullsize.py [--layers 48] [--limits 12,8,6] [--greedy-tokens 24] [--trace-dir DIR]
 
 Each (engine, configuration) is one child process, started on a dropped page cache (and inside
 its own cgroup under a limit), that loads once and then runs: a 64-token random prompt and 32
@@ -14,12 +14,15 @@ a token a second there. MawForge runs with its defaults (`--prefetch auto`, thre
 `mawforge none` rows turn prefetch off in the same run, to show what auto prefetch buys.
 Per-token stall figures (the share of decode tokens that waited on a read, p50/p95 wait) come
 from MawForge's own counters; llama.cpp has no such counter (its reads are page faults).
+`--trace-dir` keeps each MawForge child's route trace (with its live counters and router
+lookaheads) for `mawforge replay`.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -78,13 +81,15 @@ class MawEngine:
         import torch
 
         from mawforge.engine.runtime import Runtime, RuntimeOptions
+        from mawforge.engine.run import make_recorder
         torch.set_num_threads(THREADS)
         self.torch = torch
+        self.trace_out, self.recorder = a.trace_out, make_recorder(a)
         self.rt = Runtime(a.pack, RuntimeOptions(context=1024, expert_cache_percent=a.cache_percent,
                                                  memory_budget_gib=a.budget_gib, prefill_chunk=a.prefill_chunk,
                                                  threads=THREADS, check_digests=False,
                                                  stream_embeddings=a.budget_gib is not None, prefetch=a.prefetch,
-                                                 io_threads=a.io_threads))
+                                                 io_threads=a.io_threads, policy=a.policy), recorder=self.recorder)
         if a.preload:
             self.rt.cache.preload()
 
@@ -107,6 +112,14 @@ class MawEngine:
 
     def needed_bytes(self) -> int:
         return self.rt.cache.prefill_needed_bytes()
+
+    def save_trace(self) -> None:
+        """The route trace of the whole child (prefill, teacher-forced steps, each class's prompt and
+        greedy steps) with the live counters, for `mawforge replay` to compare policies on."""
+        if self.recorder is not None:
+            rt = self.rt
+            self.recorder.set_live(rt.plan.E, rt.opts.policy, rt.prefetch_spec, rt.cache.core.stats())
+            self.recorder.save(self.trace_out)
 
     def report(self) -> dict:
         s, p = self.rt.cache.stats(), self.rt.plan
@@ -170,6 +183,8 @@ def work(a) -> dict:
         greedy[cls] = g
     out["greedy"] = greedy
     out["final"] = eng.report()
+    if isinstance(eng, MawEngine):
+        eng.save_trace()
     return out
 
 
@@ -183,6 +198,14 @@ def greedy_tok_s(r: dict) -> float:
     return statistics.median(g) if g else float("nan")
 
 
+def policy_summary(name: str, rs: list[dict]) -> str:
+    """One MawForge engine's rows of one config (several rounds or policies): each TF rate, medians."""
+    tf = ", ".join(f"{r['decode_tok_s']:.2f}" for r in rs)
+    mb = statistics.median(r.get("read_bytes_per_token", 0) for r in rs) / 1e6
+    return (f"{name} TF {tf} (median {statistics.median(r['decode_tok_s'] for r in rs):.2f}), {mb:.0f} MB/token, "
+            f"TTFT median {statistics.median(r['ttft_s'] for r in rs):.1f} s")
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "worker":
         ap = worker_parser(("llama", "maw"))
@@ -191,6 +214,8 @@ def main() -> int:
         ap.add_argument("--prefill-chunk", type=int, default=512, help="MawForge: as llama.cpp's n_batch here")
         ap.add_argument("--classes", default="code,summarization,writing,reasoning")
         ap.add_argument("--greedy-tokens", type=int, default=24)
+        ap.add_argument("--trace-out", help="MawForge: save the child's route trace here (.npz)")
+        ap.add_argument("--policy", default="s3fifo", help="MawForge: expert cache policy")
         print(json.dumps(work(ap.parse_args())))
         return 0
     ap = argparse.ArgumentParser()
@@ -205,6 +230,11 @@ def main() -> int:
     ap.add_argument("--engines", default="", help="comma list of engines to run (llama.cpp default, llama.cpp repack off, "
                                                   "mawforge, mawforge none); default all")
     ap.add_argument("--timeout", type=float, default=1200)
+    ap.add_argument("--trace-dir", help="save each MawForge child's route trace here (CONFIG-ENGINE.npz)")
+    ap.add_argument("--policies", default="s3fifo",
+                    help="MawForge's cache policies under the limits, each its own row (the first is 'mawforge', others "
+                         "'mawforge [POLICY]'), alternating --rounds times")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat each limit's MawForge rows, alternating")
     a = ap.parse_args()
     gguf = synth_model(a.layers, "Q4_K_M", skew=1.0, stickiness=0.3)
     pack = pack_of(gguf)
@@ -218,8 +248,14 @@ def main() -> int:
 
     engines = {x.strip() for x in a.engines.split(",") if x.strip()}
 
+    def trace(config: str, name: str) -> list[str]:
+        if not a.trace_dir:
+            return []
+        os.makedirs(a.trace_dir, exist_ok=True)
+        return ["--trace-out", os.path.join(a.trace_dir, re.sub(r"[^\w.-]+", "_", f"{config}-{name}") + ".npz")]
+
     def add(config, name, make):
-        if engines and name not in engines:
+        if engines and name.split(" [")[0] not in engines:    # "mawforge [POLICY]" runs with "mawforge"
             return
         r = make()
         r.update(model=gguf.name, layers=a.layers, config=config, engine=name, file_bytes=size)
@@ -238,15 +274,21 @@ def main() -> int:
             add(config, "llama.cpp default", lambda: child(["llama", "--model", str(gguf), *lim_args], limit, a.timeout))
         add(config, "llama.cpp repack off", lambda: child(["llama", "--model", str(gguf), "--no-repack", *lim_args], limit, a.timeout))
         if limit is None:
-            add(config, "mawforge", lambda: child(["maw", "--pack", str(pack), "--cache-percent", "100", "--preload", *full],
-                                          None, a.timeout))
+            add(config, "mawforge", lambda: child(["maw", "--pack", str(pack), "--cache-percent", "100", "--preload", *full,
+                                                   *trace(config, "mawforge")], None, a.timeout))
         else:
             # the budget leaves 8% of the limit to the page cache and the kernel (as decode.py)
             budget = ["--budget-gib", f"{gib * 0.92:.3f}"]
-            add(config, "mawforge", lambda: child(["maw", "--pack", str(pack), *budget, *full], limit, a.timeout))
+            policies = [p for p in a.policies.split(",") if p]
+            for r in range(a.rounds):
+                for pol in policies:
+                    name = "mawforge" if pol == policies[0] else f"mawforge [{pol}]"
+                    tag = name if a.rounds == 1 else f"{name}-{r}"
+                    add(config, name, lambda: child(["maw", "--pack", str(pack), *budget, *full, "--policy", pol,
+                                                     *trace(config, tag)], limit, a.timeout))
             if config.split()[0] in a.none_at.split(","):
-                add(config, "mawforge none", lambda: child(["maw", "--pack", str(pack), *budget, "--prefetch", "none", *full],
-                                                   limit, a.timeout))
+                add(config, "mawforge none", lambda: child(["maw", "--pack", str(pack), *budget, "--prefetch", "none", *full,
+                                                            *trace(config, "mawforge none")], limit, a.timeout))
     print(f"\n# full-size benchmark, {machine()}, {THREADS} threads each, file {size / 1e9:.2f} GB")
     print(f"{'config':10s} {'engine':22s} {'status':12s} {'TTFT s':>7s} {'TF tok/s':>9s} {'greedy tok/s':>12s} "
           f"{'stall %':>7s} {'p50 ms':>7s} {'p95 ms':>7s} {'hit %':>6s} {'MB/tok':>7s} {'peak RSS GiB':>12s} {'F GiB':>6s} "
@@ -274,6 +316,12 @@ def main() -> int:
         if resident is not None and config != "resident":
             parts.append(f"greedy {greedy_tok_s(m) / greedy_tok_s(resident):.2f} of resident greedy")
         print(f"{config}: " + "; ".join(parts))
+        ours: dict[str, list[dict]] = {}
+        for r in rows:
+            if r["config"] == config and r["status"] == "ok" and r["engine"].split(" [")[0] == "mawforge":
+                ours.setdefault(r["engine"], []).append(r)
+        if len(ours) > 1 or any(len(v) > 1 for v in ours.values()):
+            print(f"{config}: " + "; ".join(policy_summary(name, rs) for name, rs in ours.items()))
     print(f"saved {save('fullsize', {'machine': machine(), 'rows': rows})}")
     return 0
 

@@ -15,7 +15,7 @@ from mawforge.engine.prefetch_auto import PrefetchGovernor
 from mawforge.engine.run import make_recorder
 from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.engine.sampling import SamplingParams
-from mawforge.errors import FormatError
+from mawforge.errors import FormatError, RequestError
 from mawforge.trace.record import load_trace
 from mawforge.trace.replay import LIVE_COUNTERS, live_check, replay_policy
 
@@ -271,6 +271,25 @@ def test_trace_of_an_auto_run_replays_its_live_counters_exactly(auto_run):
     live = trace.meta.live
     alone = replay_policy(trace, live["capacity_bytes"], live["policy"], live["prefetch"]).to_dict()
     assert {k: alone[k] for k in LIVE_COUNTERS} != check["recorded"]
+    # `--prefetch live` replays those decisions for any policy: the recorded policy gives the live
+    # counters; another policy gets the same lookahead prefetches (the router's picks) at the same points
+    again = replay_policy(trace, live["capacity_bytes"], live["policy"], "live").to_dict()
+    assert {k: again[k] for k in LIVE_COUNTERS} == check["recorded"]
+    other = replay_policy(trace, live["capacity_bytes"], "lru", "live")
+    assert other.prefetch_issued + other.prefetch_probes > 0
+
+
+def test_replay_with_live_prefetch_from_the_cli(auto_run, tmp_path, capsys):
+    from mawforge.trace.replay import add_arguments, main as replay_main
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    cap = load_trace(auto_run["path"]).meta.live["capacity_bytes"]
+    a = ap.parse_args([str(auto_run["path"]), "--budgets", f"{cap}B", "--policies", "s3fifo,s3fifo-classic",
+                       "--prefetch", "none,live", "-o", str(tmp_path / "out"), "--no-plots"])
+    assert replay_main(a) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "hit rate" in line]
+    assert len(lines) == 4 and all(" live " in line or " none " in line for line in lines)
+    assert all("read " in line and line.rstrip().endswith("GB") for line in lines)
 
 
 def test_damaged_prefetch_arrays_are_format_errors(auto_run, tmp_path):
@@ -295,6 +314,8 @@ def test_damaged_prefetch_arrays_are_format_errors(auto_run, tmp_path):
         fields[name] = None
     old = type(trace)(**fields).save(tmp_path / "old.npz")
     assert not load_trace(old).has_live_prefetch
+    with pytest.raises(RequestError, match="prefetch live needs a trace recorded with prefetch"):
+        replay_policy(load_trace(old), 10**9, "s3fifo", "live")
 
 
 def test_thread_governor_says_when_a_step_is_safe_to_time():

@@ -261,7 +261,10 @@ def test_full_queue_answers_429_with_retry_after(gated):
     results = {}
 
     def post(name):
-        results[name] = httpx.post(s.url + "/v1/completions", json={"prompt": name, "max_tokens": 2}, timeout=60)
+        # ignore_eos: a first token that ends the answer would return it before the gate opens
+        # and let the next request start at once (a rare flake, never queued)
+        results[name] = httpx.post(s.url + "/v1/completions", json={"prompt": name, "max_tokens": 2, "ignore_eos": True},
+                                   timeout=60)
 
     a = threading.Thread(target=post, args=("first",))
     a.start()
@@ -285,7 +288,8 @@ def test_shutdown_cancels_in_flight_work_after_the_grace_and_answers_everyone(rt
     s = ServerThread(build_app(rt, MODEL, telemetry_log=str(log), generate_fn=gate.generate), grace_s=0.2).start()
 
     def post(name):
-        results[name] = httpx.post(s.url + "/v1/completions", json={"prompt": name, "max_tokens": 50}, timeout=60)
+        results[name] = httpx.post(s.url + "/v1/completions", json={"prompt": name, "max_tokens": 50, "ignore_eos": True},
+                                   timeout=60)
 
     threads = [threading.Thread(target=post, args=(n,)) for n in ("running", "queued")]
     threads[0].start()

@@ -76,7 +76,7 @@ def policy_names() -> list[str]:
 
 
 def make_policy(spec: str) -> Policy:
-    """'lru', 'lfu', 'fifo', 's3fifo', 'random:SEED' (seed defaults to 0)."""
+    """'lru', 'lfu', 'fifo', 's3fifo', 's3fifo-classic', 'random:SEED' (seed defaults to 0)."""
     name, _, arg = spec.strip().partition(":")
     cls = Policy._registry.get(name.lower())
     if cls is None:
@@ -228,17 +228,15 @@ class S3FIFO(Policy, name="s3fifo"):
       the prompt's common ones, and the first decode tokens miss on every early layer;
     - a prefetched block's first use is its first access, not a hit (a hit would promote
       every used prefetch, once-used ones included, to the main queue).
-    On the full-size file's traces replayed with their live lookaheads inside 8 GiB, the two
-    cut the bytes read per teacher-forced decode token from 202 to 183 MB (the first four
-    tokens after the prompt: 400 to 222), greedy decoding on the bench prompts from 37 to 20
-    MB and their prefills from 52.1 to 45.7 GB; on the demo model's traces (trained routing,
-    16 experts) they change bytes by -1% to +3% (benchmarks/RESULTS.md).
+    Measured on the route traces of `benchmarks/fullsize.py --only 12,8 --trace-dir` (a 64-token
+    random prompt with 32 teacher-forced tokens, then the four bench prompts with 24 greedy tokens
+    each; full-size file, Intel Xeon) replayed with the live run's prefetches (`mawforge replay
+    --prefetch live`) against `s3fifo-classic`: 65.5 against 72.0 GB read inside 8 GiB, 44.2
+    against 51.9 inside 12 GiB; teacher-forced decode 199 against 239 MB a token (8 GiB). On
+    routing alone (`--prefetch none`) the later prompts' prefills read more and the whole trace
+    3% more (63.4 against 61.3 GB), the teacher-forced tokens still 18% less (benchmarks/RESULTS.md).
 
-    The runtime's default. On route traces of the full-size (48-layer, Qwen3-30B-A3B-shape) file
-    inside 8 GiB (recorded on the Intel Xeon), replayed with the live run's router lookaheads,
-    it read 5% fewer bytes a token than LRU teacher-forced (194 against 205 MB), 24% fewer in
-    greedy decoding on the bench prompts (37 against 48 MB) and 7% fewer in their prefills
-    (work recorded in RESULTS.md).
+    The runtime's default: LRU read 79.4 GB (8 GiB) and 60.6 GB (12 GiB) on the same traces.
     LFU reads fewer than both without prefetch but many more with it: a prefetched block enters
     with the lowest count and is evicted before its use.
     """
@@ -309,6 +307,17 @@ class S3FIFO(Policy, name="s3fifo"):
                 return key
             self._freq[key] -= 1
             self._main.move_to_end(key)
+
+
+class S3FIFOClassic(S3FIFO, name="s3fifo-classic"):
+    """S3-FIFO as published, blind to reuse inside a step: every new block (ghosts aside) enters
+    the small queue, and a prefetched block's first use counts as a hit. Kept to replay against
+    the default (`mawforge replay --policies s3fifo,s3fifo-classic`)."""
+
+    ADMIT_REUSE = float("inf")
+
+    def on_first_use(self, key: Key, reuse: float = 0.0) -> None:
+        self.on_hit(key, reuse)
 
 
 class Prefetcher:

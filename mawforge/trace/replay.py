@@ -83,8 +83,26 @@ def drive(trace: Trace, driver: RouteDriver, live: bool = False) -> None:
         driver.end_step()
 
 
+LIVE_PREFETCH = "live"   # a prefetch spec: the live run's router lookaheads and on/off windows
+
+
+def check_prefetch_spec(trace: Trace, spec: str | None) -> None:
+    if spec == LIVE_PREFETCH:
+        if not (trace.has_live_prefetch or len(trace.lookaheads())):
+            raise RequestError("--prefetch live needs a trace recorded with prefetch (its router lookaheads "
+                               "and on/off windows); this one has none")
+    else:
+        make_prefetcher(spec)
+
+
 def replay_policy(trace: Trace, capacity_bytes: int, policy: str,
                   prefetch: str | None = None, live: bool = False) -> CacheStats:
+    """prefetch "live": what the live run prefetched beside the routing, issued at the points it
+    was (its router lookaheads are the router's picks, not the cache's, so any policy can be
+    driven with them); other specs run that prefetcher."""
+    if prefetch == LIVE_PREFETCH:
+        check_prefetch_spec(trace, prefetch)
+        prefetch, live = None, True
     core = CacheCore(capacity_bytes, make_policy(policy))
     drive(trace, RouteDriver(core, trace.block_bytes_fn(), make_prefetcher(prefetch), trace.meta.n_experts), live)
     return core.stats()
@@ -139,7 +157,7 @@ def replay(trace: Trace, budgets: Sequence[str | Budget], policies: Sequence[str
     budgets = [b if isinstance(b, Budget) else parse_budget(b, total) for b in budgets]
     prefetches = [prefetch] if isinstance(prefetch, str) else list(prefetch)
     for p in prefetches:
-        make_prefetcher(p)  # fail early
+        check_prefetch_spec(trace, p)  # fail early
     grid = expand_policies(policies, seeds)
     need = min_capacity(trace.layer_block_sizes(), trace.meta.top_k)
     seq = access_sequence(trace) if any(f in ORACLES for f, _, _ in grid) else None
@@ -219,7 +237,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma list of cache policies and oracles (default {DEFAULT_POLICIES})")
     parser.add_argument("--seeds", default="0,1,2,3,4", help="seeds for 'random'")
     parser.add_argument("--prefetch", default="none",
-                        help="comma list: none, confidence:0.2, confidence-prefill:0.2, preserve:0.2, "
+                        help="comma list: none, live (the recorded run's router lookaheads and prefetch "
+                             "on/off windows), confidence:0.2, confidence-prefill:0.2, preserve:0.2, "
                              "preserve-prefill:0.2")
     parser.add_argument("-o", "--output", required=True, help="directory for CSV, JSON and report")
     parser.add_argument("--no-plots", action="store_true", help="skip the matplotlib figures")
@@ -241,7 +260,8 @@ def main(args: argparse.Namespace) -> int:
     for s in summary:
         print(f"  {s['budget']:>10} {s['policy']:<14} {s['prefetch']:<20} "
               f"hit rate {100 * s['hit_rate_mean']:6.2f}%"
-              + (f" ± {100 * s['hit_rate_std']:.2f}" if s["runs"] > 1 else ""))
+              + (f" ± {100 * s['hit_rate_std']:.2f}" if s["runs"] > 1 else "")
+              + f"  read {s['loaded_bytes_mean'] / 1e9:.2f} GB")
     if check is not None:
         verdict = "reproduced exactly" if check["match"] else "MISMATCH"
         print(f"live check ({check['policy']}, {check['prefetch']}, {check['capacity_bytes']} bytes): "
