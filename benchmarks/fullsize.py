@@ -15,7 +15,8 @@ a token a second there. MawForge runs with its defaults (`--prefetch auto`, thre
 Per-token stall figures (the share of decode tokens that waited on a read, p50/p95 wait) come
 from MawForge's own counters; llama.cpp has no such counter (its reads are page faults).
 `--trace-dir` keeps each MawForge child's route trace (with its live counters and router
-lookaheads) for `mawforge replay`.
+lookaheads) for `mawforge replay`; `--policies s3fifo,s3fifo-classic --rounds 2` runs MawForge's
+limited rows under each cache policy, alternating, for a same-run A/B.
 """
 from __future__ import annotations
 
