@@ -427,7 +427,7 @@ class RouteDriver:
         is likely used by the tokens after it; one used once is not (policies.py S3FIFO)."""
         if self.n_experts is None or len(experts) <= 1:
             return unique_experts(experts), None
-        arr = np.asarray(experts) if not isinstance(experts, np.ndarray) else experts
+        arr = np.asarray(experts)
         if arr.ndim != 2 or arr.dtype == object:
             return unique_experts(experts), None
         ids, counts = np.unique(arr, return_counts=True)

@@ -88,7 +88,7 @@ LIVE_PREFETCH = "live"   # a prefetch spec: the live run's router lookaheads and
 
 def check_prefetch_spec(trace: Trace, spec: str | None) -> None:
     if spec == LIVE_PREFETCH:
-        if not (trace.has_live_prefetch or len(trace.lookaheads())):
+        if not trace.has_live_prefetch:     # the five prefetch arrays come all or none
             raise RequestError("--prefetch live needs a trace recorded with prefetch (its router lookaheads "
                                "and on/off windows); this one has none")
     else:
