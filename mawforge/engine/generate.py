@@ -93,6 +93,7 @@ def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
         while True:
             for used, tok in enumerate(batch, 1):
                 n += 1
+                sampler.accept(tok)
                 context.append(tok)
                 if t_first is None:
                     t_first = time.perf_counter()

@@ -1,7 +1,14 @@
-"""Sampling: greedy, temperature, top-k, top-p, min-p, with a seeded generator per request."""
+"""Sampling: greedy, temperature, top-k, top-p, min-p, with a seeded generator per request.
+
+Logits processors (logit bias, penalties, a grammar's token mask, ...) run before every filter,
+in order, on the logits of the next position; each keeps its own per-request state, advanced by
+`accept(token)` for every token the request emits and undone by `rollback(n)` (speculative
+verification advances through the drafts it checks, then rolls them back).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -36,9 +43,16 @@ class SamplingParams:
             raise RequestError(f"top_k must be >= 0, got {self.top_k}")
 
 
+class LogitsProcessor(Protocol):
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor: ...     # [V] -> [V], for the next position
+    def accept(self, token: int) -> None: ...                          # the request emitted token
+    def rollback(self, n: int) -> None: ...                            # undo the last n accepts
+
+
 @dataclass
 class Sampler:
     params: SamplingParams
+    processors: list = field(default_factory=list)     # LogitsProcessor, applied in order
     gen: torch.Generator = field(init=False)
 
     def __post_init__(self) -> None:
@@ -50,10 +64,25 @@ class Sampler:
     def greedy(self) -> bool:
         return self.params.temperature == 0.0
 
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits after every processor, for the next position. [V] -> [V]"""
+        for proc in self.processors:
+            logits = proc(logits)
+        return logits
+
+    def accept(self, token: int) -> None:
+        for proc in self.processors:
+            proc.accept(token)
+
+    def rollback(self, n: int) -> None:
+        if n:
+            for proc in self.processors:
+                proc.rollback(n)
+
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """The distribution actually sampled from, after every filter. logits [V] -> [V] f32."""
+        """The distribution actually sampled from, after every processor and filter. logits [V] -> [V] f32."""
         p = self.params
-        x = logits.float().cpu()
+        x = self.process(logits.float().cpu())
         if self.greedy:
             out = torch.zeros_like(x)
             out[int(torch.argmax(x))] = 1.0
@@ -76,7 +105,7 @@ class Sampler:
             self.n_forced += 1
             return self.params.forced_tokens[self.n_forced - 1]
         if self.greedy:
-            return int(torch.argmax(logits))
+            return int(torch.argmax(self.process(logits) if self.processors else logits))
         return int(torch.multinomial(self.probs(logits), 1, generator=self.gen))
 
     def draw(self, probs: torch.Tensor) -> int:

@@ -70,25 +70,33 @@ def drafter_for(mode: str, rt: Runtime, opts: SpecOptions) -> str:
 def accept_drafts(sampler: Sampler, logits: torch.Tensor, drafts: list[int],
                   q: list[torch.Tensor] | None) -> tuple[int, int]:
     """logits [W, V] for [last] + drafts. Returns (accepted drafts, the token that follows them).
-    q: the draft distributions ([V] each), or None for deterministic proposals (point masses)."""
-    for i, d in enumerate(drafts):
-        if sampler.greedy:
-            t = sampler.sample(logits[i])
-            if t != d:
-                return i, t
-            continue
-        p = sampler.probs(logits[i])                                        # [V]
-        qd = 1.0 if q is None else float(q[i][d])
-        if sampler.uniform() < min(1.0, float(p[d]) / qd):
-            continue
-        resid = p.clone()
-        if q is None:
-            resid[d] = 0.0
-        else:
-            resid = torch.clamp(p - q[i], min=0.0)
-        s = float(resid.sum())
-        return i, sampler.draw(resid / s if s > 0 else p)
-    return len(drafts), sampler.sample(logits[len(drafts)])
+    q: the draft distributions ([V] each), or None for deterministic proposals (point masses).
+    The sampler's processors advance through each accepted draft while the next is checked (its
+    mask or penalty depends on them) and are rolled back before returning: the generator
+    accepts every emitted token itself."""
+    n = 0
+    try:
+        for i, d in enumerate(drafts):
+            if sampler.greedy:
+                t = sampler.sample(logits[i])
+                if t != d:
+                    return i, t
+            else:
+                p = sampler.probs(logits[i])                                    # [V]
+                qd = 1.0 if q is None else float(q[i][d])
+                if sampler.uniform() >= min(1.0, float(p[d]) / qd):
+                    resid = p.clone()
+                    if q is None:
+                        resid[d] = 0.0
+                    else:
+                        resid = torch.clamp(p - q[i], min=0.0)
+                    s = float(resid.sum())
+                    return i, sampler.draw(resid / s if s > 0 else p)
+            sampler.accept(d)
+            n += 1
+        return len(drafts), sampler.sample(logits[len(drafts)])
+    finally:
+        sampler.rollback(n)
 
 
 class PlainDecoder:
