@@ -81,8 +81,8 @@ class MawEngine:
     def __init__(self, a) -> None:
         import torch
 
-        from mawforge.engine.runtime import Runtime, RuntimeOptions
-        from mawforge.engine.run import make_recorder
+        from mawforge.commands.runtime import Runtime, RuntimeOptions
+        from mawforge.commands.run import make_recorder
         torch.set_num_threads(THREADS)
         self.torch = torch
         self.trace_out, self.recorder = a.trace_out, make_recorder(a)

@@ -14,7 +14,7 @@ COMMANDS = {
     "verify": "mawforge.pack.commands:Verify",
     "synth": "mawforge.synth:",
     "plan": "mawforge.plan:",
-    "run": "mawforge.engine.run:",
+    "run": "mawforge.commands.run:",
     "serve": "mawforge.serve.app:",
     "replay": "mawforge.trace.replay:",
     "synth-trace": "mawforge.trace.synthetic:",
@@ -75,8 +75,8 @@ def build_parser(only: str | None = None, defaults: dict | None = None) -> argpa
             continue
         try:
             cmd = _load(spec)
-        except ModuleNotFoundError:
-            continue   # a command whose module is not built yet is simply absent
+        except ImportError as e:   # a missing dependency: say which, never drop the command silently
+            raise MawError(f"the {name} command cannot load: {e} (reinstall with `make venv`)") from None
         p = sub.add_parser(name, help=getattr(cmd, "help", None) or (cmd.__doc__ or "").split("\n")[0])
         cmd.add_arguments(p)
         if defaults:

@@ -22,6 +22,7 @@ LAYERS = {
     "mawforge.trace.record": 5,      # the route-trace format the live cache writes and replay reads
     "mawforge.engine": 6, "mawforge.telemetry": 6,
     "mawforge.serve": 7, "mawforge.bench": 7, "mawforge.trace": 7, "mawforge.cli": 7,
+    "mawforge.api": 7, "mawforge.commands": 7,
     "mawforge.synth": 7, "mawforge.fixtures": 7, "mawforge.fuzz": 7, "mawforge.demo": 7,
 }
 MODEL_BUILDER = 4     # the rank of an architecture file's model() body

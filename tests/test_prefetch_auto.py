@@ -12,8 +12,8 @@ from mawforge.cache.core import CacheCore, RouteDriver
 from mawforge.cache.policies import make_policy
 from mawforge.engine.generate import generate
 from mawforge.engine.prefetch_auto import PrefetchGovernor
-from mawforge.engine.run import make_recorder
-from mawforge.engine.runtime import Runtime, RuntimeOptions
+from mawforge.commands.run import make_recorder
+from mawforge.commands.runtime import Runtime, RuntimeOptions
 from mawforge.engine.sampling import SamplingParams
 from mawforge.errors import FormatError, RequestError
 from mawforge.trace.record import load_trace

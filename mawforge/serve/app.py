@@ -30,7 +30,7 @@ from starlette.routing import Route
 
 from mawforge.engine.chat import ChatTemplate
 from mawforge.engine.generate import validate
-from mawforge.engine.run import add_runtime_arguments, make_recorder, runtime_options
+from mawforge.commands.run import add_runtime_arguments, make_recorder, runtime_options
 from mawforge.engine.speculative import add_speculative_arguments, speculator_from_args
 from mawforge.errors import BudgetRejected, MawError, RequestError
 from mawforge.serve import limits
@@ -418,7 +418,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(a: argparse.Namespace) -> int:
     import signal
 
-    from mawforge.engine.runtime import Runtime
+    from mawforge.commands.runtime import Runtime
     from mawforge.engine.speculative import uses_draft_pack
     from mawforge.plan import PackFacts, make_plan, pair_plan_from_args
     opts = runtime_options(a)

@@ -112,38 +112,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(a: argparse.Namespace) -> int:
-    from mawforge.engine.generate import generate
+    from mawforge.api import Model
     from mawforge.engine.runtime import Runtime
-    from mawforge.engine.sampling import SamplingParams
     from mawforge.engine.speculative import pair_plan_or_reject, speculator_from_args
     pair = pair_plan_or_reject(a)          # a draft pack's L is planned beside the target's
-    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                            min_p=a.min_p, seed=a.seed, stop=tuple(a.stop), ignore_eos=a.ignore_eos)
     recorder = make_recorder(a)
     rt = Runtime(a.pack, runtime_options(a, pair.draft.L if pair else 0), recorder=recorder)
-    spec = None
     try:
-        spec = speculator_from_args(rt, a)
-        text = rt.tokenizer.chat.render([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
-        ids = rt.tokenizer.encode(text)
-        progress = PrefillProgress.install(rt)
-        for ev in generate(rt, ids, params, speculative=spec):
-            if progress is not None:      # prefill is over once a token arrives
-                progress.close()
-                rt.on_chunk = progress = None
-            sys.stdout.write(ev.text)
-            sys.stdout.flush()
-            if ev.telemetry is not None:
-                print()
-                t = ev.telemetry
-                print(json.dumps(t.to_dict()) if a.telemetry_json else t.line(), file=sys.stderr)
-                if spec is not None and not a.telemetry_json:
-                    from mawforge.engine.speculative import summary_line
-                    print(summary_line(t.speculative), file=sys.stderr)
-    finally:
-        if spec is not None:
-            spec.close()
+        model = Model(rt, speculator_from_args(rt, a))
+    except BaseException:
         rt.close()
+        raise
+    try:
+        with model:
+            prompt = [{"role": "user", "content": a.prompt}]
+            ids = model.encode(model.chat_turn(prompt).prompt if a.chat else a.prompt)
+            progress = PrefillProgress.install(rt)
+            for ev in model.generate(ids, max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k,
+                                     top_p=a.top_p, min_p=a.min_p, seed=a.seed, stop=a.stop,
+                                     ignore_eos=a.ignore_eos):
+                if progress is not None:      # prefill is over once a token arrives
+                    progress.close()
+                    rt.on_chunk = progress = None
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+                if ev.telemetry is not None:
+                    print()
+                    t = ev.telemetry
+                    print(json.dumps(t.to_dict()) if a.telemetry_json else t.line(), file=sys.stderr)
+                    if model.speculator is not None and not a.telemetry_json:
+                        from mawforge.engine.speculative import summary_line
+                        print(summary_line(t.speculative), file=sys.stderr)
+    finally:
         if recorder is not None:
             # the trace carries each step's prefetch state and every lookahead's keys, so replay
             # reproduces these counters with auto prefetch and lookahead too

@@ -1,0 +1,1 @@
+"""The command modules: argparse lives here and in each command's own module, never below."""
