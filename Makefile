@@ -40,6 +40,7 @@ demo: venv
 	$(BIN)/python scripts/demo_serve.py $(WORK)/pack "Tell me about the for statement."
 
 test: venv-test
+	$(BIN)/ruff check mawforge tests benchmarks scripts
 	$(BIN)/python -m pytest tests -x -q
 
 clean:

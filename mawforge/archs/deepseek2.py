@@ -19,6 +19,7 @@ Vd v head dim, S cached positions, E experts, G expert groups, k experts per tok
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from mawforge.archs._yarn import _gguf_yarn, _hf_yarn, yarn_mscale
 from mawforge.archs.spec import Arch, ArchArgs, nextn_names

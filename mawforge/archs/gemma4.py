@@ -105,7 +105,7 @@ def model() -> type:
     import torch.nn.functional as F
 
     from mawforge.kernels import linear
-    from mawforge.models.base import MoETransformer, attend, rms_norm, rope_rotate, route_softmax_topk
+    from mawforge.models.base import MoETransformer, attend, rope_rotate, route_softmax_topk
 
     def gelu_expert(x: torch.Tensor, parts: dict) -> torch.Tensor:
         """One routed expert with a GELU-tanh gate (fused gate_up or separate gate/up)."""

@@ -7,6 +7,8 @@ from typing import ClassVar
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from mawforge.errors import UnsupportedError
+
 
 # ---------------------------------------------------------------- block payloads
 
