@@ -81,7 +81,7 @@ class MawEngine:
     def __init__(self, a) -> None:
         import torch
 
-        from mawforge.commands.runtime import Runtime, RuntimeOptions
+        from mawforge.engine.runtime import Runtime, RuntimeOptions
         from mawforge.commands.run import make_recorder
         torch.set_num_threads(THREADS)
         self.torch = torch

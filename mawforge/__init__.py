@@ -4,14 +4,14 @@
     with mawforge.load("model.gguf", memory_budget_gib=8) as m:
         print(m.complete("Hello", max_tokens=16).text)
 
-The front door (`load`, `plan`, `Model`, ...) lives in mawforge/api.py and is imported on first
+The front door (`load`, `plan_for`, `Model`, ...) lives in mawforge/api.py and is imported on first
 use (PEP 562), so `import mawforge` stays light and the lower layers that import this package
 (for __version__) never depend on the layer above them.
 """
 
 __version__ = "0.1.0"
 
-_API = ("load", "plan", "open_pack", "Model", "Completion", "ChatReply", "ModelClosed", "Busy")
+_API = ("load", "plan_for", "open_pack", "Model", "Completion", "ChatReply", "ModelClosed", "Busy")
 
 
 def __getattr__(name: str):

@@ -29,7 +29,7 @@ from mawforge.errors import FormatError, MawError, RequestError
 from mawforge.plan import Plan, PackFacts, make_plan
 from mawforge.telemetry import Telemetry
 
-__all__ = ["load", "plan", "open_pack", "Model", "Completion", "ChatReply", "ModelClosed", "Busy"]
+__all__ = ["load", "plan_for", "open_pack", "Model", "Completion", "ChatReply", "ModelClosed", "Busy"]
 
 
 class ModelClosed(MawError):
@@ -77,7 +77,7 @@ def open_pack(path: str | os.PathLike, cache_dir: str | os.PathLike | None = Non
     return out
 
 
-def plan(path: str | os.PathLike, *, memory_budget_gib: float | None = None, context: int = 4096,
+def plan_for(path: str | os.PathLike, *, memory_budget_gib: float | None = None, context: int = 4096,
          expert_cache_percent: float | None = None, expert_cache_gib: float | None = None,
          kv_dtype: str | None = None, prefill_chunk: int = 128) -> Plan:
     """The static plan of a pack under a budget, without loading it (`mawforge plan`)."""

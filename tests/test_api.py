@@ -136,7 +136,7 @@ def test_one_stream_at_a_time(model):
 
 def test_plan_without_loading_and_rejection(model, cache_dir):
     pack = model.runtime.pack
-    p = mawforge.plan(pack, memory_budget_gib=1, context=512, expert_cache_percent=50)
+    p = mawforge.plan_for(pack, memory_budget_gib=1, context=512, expert_cache_percent=50)
     assert p.feasible and p.F == p.C + p.E + p.K + p.O
     assert model.plan.E == p.E and model.plan.C == p.C
     with pytest.raises(BudgetRejected, match="plan rejected"):

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from mawforge.demo import DEMO_DIR, ROUTING_PROFILE, demo_gguf
 from mawforge.engine.generate import generate
 from mawforge.commands.run import make_recorder
-from mawforge.commands.runtime import Runtime, RuntimeOptions
+from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.engine.sampling import SamplingParams
 from mawforge.errors import FormatError
 from mawforge.fixtures.llama_ref import llama_logits, llama_tokenize_many

@@ -7,7 +7,8 @@ import pytest
 
 from mawforge.cache.core import (CacheCore, RouteDriver, check_capacity, min_capacity,
                                  plan_groups, unique_experts)
-from mawforge.cache.policies import make_policy, make_prefetcher, policy_names
+from mawforge.cache.policies import make_policy, policy_names
+from mawforge.cache.prefetchers import make_prefetcher
 from mawforge.errors import BudgetRejected, RequestError
 
 B = 100  # uniform block size for the single-layer traces

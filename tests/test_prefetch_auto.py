@@ -13,7 +13,7 @@ from mawforge.cache.policies import make_policy
 from mawforge.engine.generate import generate
 from mawforge.engine.prefetch_auto import PrefetchGovernor
 from mawforge.commands.run import make_recorder
-from mawforge.commands.runtime import Runtime, RuntimeOptions
+from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.engine.sampling import SamplingParams
 from mawforge.errors import FormatError, RequestError
 from mawforge.trace.record import load_trace
@@ -213,7 +213,7 @@ def test_a_demand_read_goes_before_queued_prefetches():
 
 def test_a_disabled_driver_issues_no_prefetch():
     core = CacheCore(4 * 100, make_policy("lru"))
-    from mawforge.cache.policies import make_prefetcher
+    from mawforge.cache.prefetchers import make_prefetcher
     driver = RouteDriver(core, lambda layer, e: 100, make_prefetcher("confidence:0.2"))
     driver.begin_step("decode", 1)
     list(driver.layer(0, np.array([[1, 2]]), np.array([[0.6, 0.4]])))

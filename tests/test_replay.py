@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from mawforge.cache.core import CacheCore, RouteDriver
-from mawforge.cache.policies import make_policy, make_prefetcher
+from mawforge.cache.policies import make_policy
+from mawforge.cache.prefetchers import make_prefetcher
 from mawforge.errors import FormatError, RequestError
 from mawforge.trace import replay as replay_cli
 from mawforge.trace import synthetic

@@ -19,7 +19,8 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from mawforge.cache.core import CacheCore, RouteDriver, check_capacity
-from mawforge.cache.policies import make_policy, make_prefetcher
+from mawforge.cache.policies import make_policy
+from mawforge.cache.prefetchers import make_prefetcher
 from mawforge.cache.store import ExpertStore, SlotMemory, round_page
 from mawforge.codecs import quants
 from mawforge.pack.manifest import ExpertIndex

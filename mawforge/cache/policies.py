@@ -20,7 +20,6 @@ Contract (what `CacheCore` guarantees and what a policy may assume):
 
 from __future__ import annotations
 
-import bisect
 import random
 from collections import OrderedDict
 from typing import Callable, ClassVar
@@ -228,17 +227,10 @@ class S3FIFO(Policy, name="s3fifo"):
       the prompt's common ones, and the first decode tokens miss on every early layer;
     - a prefetched block's first use is its first access, not a hit (a hit would promote
       every used prefetch, once-used ones included, to the main queue).
-    Measured on the route traces of `benchmarks/fullsize.py --only 12,8 --trace-dir` (a 64-token
-    random prompt with 32 teacher-forced tokens, then the four bench prompts with 24 greedy tokens
-    each; full-size file, Intel Xeon) replayed with the live run's prefetches (`mawforge replay
-    --prefetch live`) against `s3fifo-classic`: 65.5 against 72.0 GB read inside 8 GiB, 44.2
-    against 51.9 inside 12 GiB; teacher-forced decode 199 against 239 MB a token (8 GiB). On
-    routing alone (`--prefetch none`) the later prompts' prefills read more and the whole trace
-    3% more (63.4 against 61.3 GB), the teacher-forced tokens still 18% less (benchmarks/RESULTS.md).
-
-    The runtime's default: LRU read 79.4 GB (8 GiB) and 60.6 GB (12 GiB) on the same traces.
-    LFU reads fewer than both without prefetch but many more with it: a prefetched block enters
-    with the lowest count and is evicted before its use.
+    Replayed on the full-size file's route traces this reads 9-15% fewer bytes than the
+    published rule (`s3fifo-classic`) and 17-27% fewer than LRU (benchmarks/RESULTS.md, "an
+    expert cache that sees reuse inside a step"). LFU reads fewer than both without prefetch
+    but many more with it: a prefetched block enters with the lowest count and is evicted first.
     """
 
     SMALL_FRACTION = 0.10
@@ -318,101 +310,3 @@ class S3FIFOClassic(S3FIFO, name="s3fifo-classic"):
 
     def on_first_use(self, key: Key, reuse: float = 0.0) -> None:
         self.on_hit(key, reuse)
-
-
-class Prefetcher:
-    """Base class and registry of prefetch policies ('confidence:0.2', ...).
-
-    The driver calls `observe(layer, experts, weights)` when a layer's routing is known and
-    `predict(kind, after_layer)` before the next MoE layer runs (after_layer None: the
-    step's first MoE layer); predicted keys go through `CacheCore.prefetch`. `touch` says
-    whether a resident prediction counts as a use for the policy (refreshing recency)."""
-
-    name: ClassVar[str] = ""
-    touch: ClassVar[bool] = True
-    prefill_only: ClassVar[bool] = False
-    _registry: ClassVar[dict[str, type["Prefetcher"]]] = {}
-
-    def __init_subclass__(cls, name: str = "", **kwargs) -> None:
-        super().__init_subclass__(**kwargs)
-        if name:
-            cls.name = name
-            Prefetcher._registry[name] = cls
-
-    def observe(self, layer: int, experts, weights) -> None:
-        raise NotImplementedError
-
-    def predict(self, kind: str, after_layer: int | None) -> list[Key]:
-        raise NotImplementedError
-
-
-def make_prefetcher(spec: str | None) -> Prefetcher | None:
-    """'none', 'confidence[:T]', 'confidence-prefill[:T]', 'preserve[:T]', 'preserve-prefill[:T]'."""
-    if spec is None or spec.strip().lower() in ("", "none"):
-        return None
-    name, _, arg = spec.strip().partition(":")
-    cls = Prefetcher._registry.get(name.lower())
-    if cls is None:
-        names = ", ".join(["none", *sorted(Prefetcher._registry)])
-        raise RequestError(f"unknown prefetch policy {spec!r}; choose from {names}")
-    try:
-        threshold = float(arg) if arg else ConfidencePrefetcher.DEFAULT_THRESHOLD
-    except ValueError:
-        raise RequestError(f"prefetch threshold must be a number, got {arg!r}") from None
-    return cls(threshold)
-
-
-class ConfidencePrefetcher(Prefetcher, name="confidence"):
-    """Confidence-gated (Routide §3.3): before layer l of a step, prefetch the experts that
-    the previous step's last token sent to layer l with normalized weight >= threshold,
-    highest weight first. Resident predictions touch the policy (as a cache check would)."""
-
-    DEFAULT_THRESHOLD = 0.20
-
-    def __init__(self, threshold: float = DEFAULT_THRESHOLD) -> None:
-        if not 0.0 < threshold <= 1.0:
-            raise RequestError(f"prefetch threshold must be in (0, 1], got {threshold}")
-        self.threshold = threshold
-        self._last: dict[int, list[int]] = {}  # layer -> confident experts, best first
-        self._layers: list[int] = []  # MoE layers seen, ascending
-
-    @property
-    def spec(self) -> str:
-        return f"{self.name}:{self.threshold:g}"
-
-    def observe(self, layer: int, experts, weights) -> None:
-        if weights is None:
-            return
-        row_e = [int(e) for e in experts[-1]]  # the step's last token
-        row_w = [float(w) for w in weights[-1]]
-        total = sum(row_w)
-        if total <= 0:
-            return
-        if layer not in self._last:
-            bisect.insort(self._layers, layer)
-        ranked = sorted(range(len(row_e)), key=lambda i: (-row_w[i], i))
-        self._last[layer] = [row_e[i] for i in ranked if row_w[i] / total >= self.threshold]
-
-    def predict(self, kind: str, after_layer: int | None) -> list[Key]:
-        if self.prefill_only and kind != "prefill":
-            return []
-        i = 0 if after_layer is None else bisect.bisect_right(self._layers, after_layer)
-        if i >= len(self._layers):
-            return []
-        layer = self._layers[i]
-        return [(layer, e) for e in self._last.get(layer, ())]
-
-
-class ConfidencePrefillPrefetcher(ConfidencePrefetcher, name="confidence-prefill"):
-    """Confidence-gated, during prefill steps only (the Routide setting)."""
-    prefill_only = True
-
-
-class PreservePrefetcher(ConfidencePrefetcher, name="preserve"):
-    """Confidence-gated, but a resident prediction is only probed: recency is preserved."""
-    touch = False
-
-
-class PreservePrefillPrefetcher(PreservePrefetcher, name="preserve-prefill"):
-    """Preserve-resident, during prefill steps only."""
-    prefill_only = True

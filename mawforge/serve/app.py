@@ -418,7 +418,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(a: argparse.Namespace) -> int:
     import signal
 
-    from mawforge.commands.runtime import Runtime
+    from mawforge.engine.runtime import Runtime
     from mawforge.engine.speculative import uses_draft_pack
     from mawforge.plan import PackFacts, make_plan, pair_plan_from_args
     opts = runtime_options(a)

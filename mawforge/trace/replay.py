@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from mawforge.cache.core import CacheCore, CacheStats, RouteDriver, min_capacity
-from mawforge.cache.policies import make_policy, make_prefetcher
+from mawforge.cache.policies import make_policy
+from mawforge.cache.prefetchers import make_prefetcher
 from mawforge.errors import RequestError
 from mawforge.trace.oracle import ORACLES, access_sequence, belady, next_uses, uniform_sizes
 from mawforge.trace.record import LIVE_COUNTERS, Trace, load_trace
