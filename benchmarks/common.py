@@ -105,7 +105,8 @@ def worker_row(script: str, args: list[str], limit_bytes: int | None = None, tim
     lines = [l for l in r["stdout"].splitlines() if l.startswith("{")]
     row = json.loads(lines[-1]) if (r["rc"] == 0 and lines) else {}
     row.update(rc=r["rc"], peak_rss_bytes=r.get("peak_rss_bytes", 0), wall_s=r["wall_s"], cgroup=stats,
-               status="ok" if r["rc"] == 0 else ("killed (OOM)" if r["rc"] in (-9, 137, 247) else f"failed rc={r['rc']}"))
+               status="ok" if r["rc"] == 0
+               else ("killed (OOM)" if r["rc"] in (-9, 137, 247) else f"failed rc={r['rc']}"))
     if r["rc"] != 0:
         row["stderr_tail"] = r["stderr"][-600:]
     return row

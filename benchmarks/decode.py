@@ -179,7 +179,8 @@ def main() -> int:
     ap.add_argument("--only-limits", action="store_true", help="skip the unlimited rows")
     ap.add_argument("--limit-decode-tokens", type=int, default=4)
     ap.add_argument("--resident-pairs", type=int, default=1,
-                    help="alternating llama.cpp / MawForge resident runs; the summary gives each pair's ratio and the median")
+                    help="alternating llama.cpp / MawForge resident runs; "
+                         "the summary gives each pair's ratio and the median")
     ap.add_argument("--only-resident", action="store_true", help="only the resident pairs (implies --no-limits)")
     ap.add_argument("--llama-limit-timeout", type=float, default=600)
     a = ap.parse_args()

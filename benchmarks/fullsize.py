@@ -125,7 +125,8 @@ class MawEngine:
     def report(self) -> dict:
         s, p = self.rt.cache.stats(), self.rt.plan
         return {"hit_rate": s["hit_rate"], "materialized_bytes": s["materialized_bytes"],
-                "prefetch_issued_bytes": s["prefetch_issued_bytes"], "prefetch_useful_bytes": s["prefetch_useful_bytes"],
+                "prefetch_issued_bytes": s["prefetch_issued_bytes"],
+                "prefetch_useful_bytes": s["prefetch_useful_bytes"],
                 "prefetch_wasted_bytes": s["prefetch_wasted_bytes"], "prefetch_spared": s["prefetch_spared"],
                 "expert_cache_bytes": p.E, "planned_F": p.F, "cache_percent": p.cache_percent,
                 "prefetch": self.rt.prefetch_report(),
@@ -228,13 +229,14 @@ def main() -> int:
                     help="skip llama.cpp's default load under limits (it copies the weights: OOM below the file size)")
     ap.add_argument("--none-at", default="8", help="limits (GiB) where MawForge also runs with --prefetch none")
     ap.add_argument("--only", default="", help="comma list of configs to run (resident, 12, 8, ...)")
-    ap.add_argument("--engines", default="", help="comma list of engines to run (llama.cpp default, llama.cpp repack off, "
-                                                  "mawforge, mawforge none); default all")
+    ap.add_argument("--engines", default="",
+                    help="comma list of engines to run (llama.cpp default, llama.cpp repack off, "
+                         "mawforge, mawforge none); default all")
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--trace-dir", help="save each MawForge child's route trace here (CONFIG-ENGINE.npz)")
     ap.add_argument("--policies", default="s3fifo",
-                    help="MawForge's cache policies under the limits, each its own row (the first is 'mawforge', others "
-                         "'mawforge [POLICY]'), alternating --rounds times")
+                    help="MawForge's cache policies under the limits, each its own row "
+                         "(the first is 'mawforge', others 'mawforge [POLICY]'), alternating --rounds times")
     ap.add_argument("--rounds", type=int, default=1, help="repeat each limit's MawForge rows, alternating")
     a = ap.parse_args()
     gguf = synth_model(a.layers, "Q4_K_M", skew=1.0, stickiness=0.3)
@@ -262,7 +264,8 @@ def main() -> int:
         r.update(model=gguf.name, layers=a.layers, config=config, engine=name, file_bytes=size)
         rows.append(r)
         brief = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
-                 if k in ("config", "engine", "status", "ttft_s", "decode_tok_s", "stall_token_share", "peak_rss_bytes")}
+                 if k in ("config", "engine", "status", "ttft_s", "decode_tok_s", "stall_token_share",
+                          "peak_rss_bytes")}
         brief["greedy_tok_s"] = round(greedy_tok_s(r), 3)
         print(json.dumps(brief), flush=True)
 
@@ -272,11 +275,13 @@ def main() -> int:
         limit = int(gib * GiB) if gib else None
         lim_args = full if limit is None else short
         if limit is None or not a.no_llama_default_under_limits:
-            add(config, "llama.cpp default", lambda: child(["llama", "--model", str(gguf), *lim_args], limit, a.timeout))
-        add(config, "llama.cpp repack off", lambda: child(["llama", "--model", str(gguf), "--no-repack", *lim_args], limit, a.timeout))
+            add(config, "llama.cpp default",
+                lambda: child(["llama", "--model", str(gguf), *lim_args], limit, a.timeout))
+        add(config, "llama.cpp repack off",
+            lambda: child(["llama", "--model", str(gguf), "--no-repack", *lim_args], limit, a.timeout))
         if limit is None:
-            add(config, "mawforge", lambda: child(["maw", "--pack", str(pack), "--cache-percent", "100", "--preload", *full,
-                                                   *trace(config, "mawforge")], None, a.timeout))
+            add(config, "mawforge", lambda: child(["maw", "--pack", str(pack), "--cache-percent", "100", "--preload",
+                                                   *full, *trace(config, "mawforge")], None, a.timeout))
         else:
             # the budget leaves 8% of the limit to the page cache and the kernel (as decode.py)
             budget = ["--budget-gib", f"{gib * 0.92:.3f}"]
@@ -288,12 +293,12 @@ def main() -> int:
                     add(config, name, lambda: child(["maw", "--pack", str(pack), *budget, *full, "--policy", pol,
                                                      *trace(config, tag)], limit, a.timeout))
             if config.split()[0] in a.none_at.split(","):
-                add(config, "mawforge none", lambda: child(["maw", "--pack", str(pack), *budget, "--prefetch", "none", *full,
-                                                            *trace(config, "mawforge none")], limit, a.timeout))
+                add(config, "mawforge none", lambda: child(["maw", "--pack", str(pack), *budget, "--prefetch", "none",
+                                                            *full, *trace(config, "mawforge none")], limit, a.timeout))
     print(f"\n# full-size benchmark, {machine()}, {THREADS} threads each, file {size / 1e9:.2f} GB")
     print(f"{'config':10s} {'engine':22s} {'status':12s} {'TTFT s':>7s} {'TF tok/s':>9s} {'greedy tok/s':>12s} "
-          f"{'stall %':>7s} {'p50 ms':>7s} {'p95 ms':>7s} {'hit %':>6s} {'MB/tok':>7s} {'peak RSS GiB':>12s} {'F GiB':>6s} "
-          f"{'prefill read/need GB':>20s}")
+          f"{'stall %':>7s} {'p50 ms':>7s} {'p95 ms':>7s} {'hit %':>6s} {'MB/tok':>7s} {'peak RSS GiB':>12s} "
+          f"{'F GiB':>6s} {'prefill read/need GB':>20s}")
     for r in rows:
         tf = r.get("teacher_forced", {})
         print(f"{r['config']:10s} {r['engine']:22s} {r['status'][:12]:12s} {r.get('ttft_s', 0):7.2f} "

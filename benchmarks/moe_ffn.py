@@ -87,9 +87,11 @@ def ggml_child(src: str, out: str) -> int:
     P, I64 = ctypes.c_void_p, ctypes.c_int64
     for f, args, res in ((base.ggml_init, [_Params], P), (base.ggml_new_tensor_3d, [P, ctypes.c_int, I64, I64, I64], P),
                          (base.ggml_new_tensor_2d, [P, ctypes.c_int, I64, I64], P),
-                         (base.ggml_mul_mat_id, [P, P, P, P], P), (base.ggml_silu, [P, P], P), (base.ggml_mul, [P, P, P], P),
+                         (base.ggml_mul_mat_id, [P, P, P, P], P), (base.ggml_silu, [P, P], P),
+                         (base.ggml_mul, [P, P, P], P),
                          (base.ggml_new_graph, [P], P), (base.ggml_build_forward_expand, [P, P], None),
-                         (base.ggml_get_data, [P], P), (base.ggml_nbytes, [P], ctypes.c_size_t), (base.ggml_free, [P], None),
+                         (base.ggml_get_data, [P], P), (base.ggml_nbytes, [P], ctypes.c_size_t),
+                         (base.ggml_free, [P], None),
                          (cpu.ggml_graph_compute_with_ctx, [P, P, ctypes.c_int], ctypes.c_int)):
         f.argtypes, f.restype = args, res
     cpu.ggml_cpu_init()

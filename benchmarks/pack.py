@@ -48,7 +48,8 @@ def main() -> int:
     cp = median(rows["cp"])
     print(f"# pack benchmark: {src.name}, {size / 1e9:.2f} GB, {a.repeat} cold runs each; {machine()}")
     print(f"{'what':14s} {'median s':>9s} {'GB/s':>7s} {'x cp':>6s} {'peak RSS MiB':>13s}  runs")
-    print(f"{'cp + sync':14s} {cp:9.2f} {size / cp / 1e9:7.3f} {1.0:6.2f} {'-':>13s}  {[round(x, 2) for x in rows['cp']]}")
+    print(f"{'cp + sync':14s} {cp:9.2f} {size / cp / 1e9:7.3f} {1.0:6.2f} {'-':>13s}  "
+          f"{[round(x, 2) for x in rows['cp']]}")
     result = {"file": str(src), "bytes": size, "machine": machine(), "cp_s": rows["cp"], "layouts": {}}
     for layout in a.layouts.split(","):
         t = median(rows[layout])

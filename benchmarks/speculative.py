@@ -1,7 +1,8 @@
 """Speculative vs plain decoding on a split pack, at several expert-cache points.
 
     python benchmarks/speculative.py                    # smoke: tiny qwen3_moe fixtures in a temp dir
-    python benchmarks/speculative.py --smoke synth      # smoke: tiny `mawforge synth` files (4-layer target, 2-layer draft)
+    python benchmarks/speculative.py --smoke synth      # smoke: tiny `mawforge synth` files
+                                                        # (4-layer target, 2-layer draft)
 
 Full size (about 40 runs of one target load each; budget about an hour on 2 quiet cores): the
 24-layer shape-true target and a 2-layer synth draft. Both come from `mawforge synth` with the

@@ -24,10 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mawforge.fuzz.storm import Storm, storm  # noqa: E402
 
 
-def start_server(pack: Path, context: int, queue: int, log: Path, root: Path | None = None) -> tuple[subprocess.Popen, str]:
+def start_server(pack: Path, context: int, queue: int, log: Path,
+                 root: Path | None = None) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONPATH": str(root)} if root else None     # --server-root: serve another checkout
-    p = subprocess.Popen([sys.executable, "-m", "mawforge.cli", "serve", "--pack", str(pack.resolve()), "--model-id", "storm",
-                          "--port", "0", "--context", str(context), "--threads", "1", "--queue-size", str(queue),
+    p = subprocess.Popen([sys.executable, "-m", "mawforge.cli", "serve", "--pack", str(pack.resolve()),
+                          "--model-id", "storm", "--port", "0", "--context", str(context), "--threads", "1",
+                          "--queue-size", str(queue),
                           "--memory-budget-gib", "4", "--expert-cache-percent", "100", "--no-speculative",
                           "--telemetry-log", str(log.resolve()), "--shutdown-grace-s", "5"],
                          stderr=subprocess.PIPE, text=True, env=env, cwd=root)

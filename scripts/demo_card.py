@@ -46,7 +46,8 @@ def write_card(s: dict, out: Path) -> Path:
         "## Corpus",
         "",
         *_table(["source", "license", "Debian origin", "documents", "characters"], [
-            [name, v["license"], v["origin"], v["documents"], f"{v['chars']:,}"] for name, v in corpus["sources"].items()]),
+            [name, v["license"], v["origin"], v["documents"], f"{v['chars']:,}"]
+            for name, v in corpus["sources"].items()]),
         "",
         f"Documents (a Bible chapter, a documentation page) are split by a hash of their name: "
         f"{corpus['heldout_documents']} held out (1 in {corpus['heldout_every']}), {corpus['train_documents']} for "

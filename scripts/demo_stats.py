@@ -128,7 +128,8 @@ def step_stats(a) -> None:
     profile.save(a.out / "routing-profile.json")
     sizes = block_bytes(a.out / f"{NAME}-Q4_K_M.gguf", a.work)
     stats = {
-        "model": NAME, "config": asdict(model.c), "corpus": json.loads((a.work / "corpus" / "sources.json").read_text()),
+        "model": NAME, "config": asdict(model.c),
+        "corpus": json.loads((a.work / "corpus" / "sources.json").read_text()),
         "tokens_train_split": int(len(np.load(a.work / "train.npy", mmap_mode="r"))),
         "params": sum(p.numel() for p in model.parameters()),
         "train": {"steps": state["step"], "tokens_seen": state["tokens"], "wall_minutes": round(state["wall"] / 60, 1),

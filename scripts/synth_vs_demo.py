@@ -45,8 +45,8 @@ def main(argv=None) -> int:
     print("| layer | model | entropy | top expert share | overlap | independent | locality |")
     print("|---|---|---|---|---|---|---|")
     for i, la in enumerate(prof.layers):
-        print(f"| {i} | trained (held-out text) | {la.entropy:.3f} | {la.inclusion[0] / prof.top_k:.3f} | {la.overlap:.3f} | "
-              f"{la.overlap_if_independent:.3f} | {la.locality:.3f} |")
+        print(f"| {i} | trained (held-out text) | {la.entropy:.3f} | {la.inclusion[0] / prof.top_k:.3f} | "
+              f"{la.overlap:.3f} | {la.overlap_if_independent:.3f} | {la.locality:.3f} |")
         for name, r in got.items():
             x = r["layers"][i]
             ind = x["overlap_if_independent"]

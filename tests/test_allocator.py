@@ -10,7 +10,8 @@ SCENARIO = r"""
 import ctypes, ctypes.util, json, sys
 from mawforge.engine.allocator import bound_allocator
 class MI(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+    _fields_ = [(n, ctypes.c_size_t)
+                for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
 libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 libc.malloc.argtypes, libc.malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
 libc.free.argtypes, libc.free.restype = [ctypes.c_void_p], None

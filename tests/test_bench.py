@@ -76,7 +76,8 @@ def test_static_stage_counts_rejected_cells_as_rows(q8, tmp_path):
 
 def test_guard_stops_a_process_tree_above_its_threshold():
     child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
-                              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"],
+                              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+                              "time.sleep(60)"],
                              start_new_session=True)
     with Guard(child.pid, GuardLimits(system_used=None, tree_rss_bytes=1 << 20), interval_s=0.05) as g:
         rc = child.wait(timeout=30)

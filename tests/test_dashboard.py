@@ -83,7 +83,8 @@ def test_metrics_keep_their_names_and_add_histograms(server):
     assert "# TYPE mawforge_queue_depth gauge" in text
     for name in ("request_ttft_seconds", "request_decode_tokens_per_second", "request_read_stall_seconds"):
         assert f"# TYPE mawforge_{name} histogram" in text
-    count = [float(line.split()[-1]) for line in text.splitlines() if line.startswith("mawforge_request_ttft_seconds_count")]
+    count = [float(line.split()[-1]) for line in text.splitlines()
+             if line.startswith("mawforge_request_ttft_seconds_count")]
     assert count and count[0] >= 1
     assert tel["completion_tokens"] == 4
 
@@ -154,13 +155,15 @@ def test_dashboard_in_a_real_browser(server, tmp_path):
                 assert _number(value) == tel[field], field
             row = f"#requests tr[data-request-id='{rid}']"
             page.wait_for_selector(row)
-            cells = page.eval_on_selector_all(row + " td[data-field]", "ts => ts.map(t => [t.dataset.field, t.dataset.value])")
+            cells = page.eval_on_selector_all(row + " td[data-field]",
+                                              "ts => ts.map(t => [t.dataset.field, t.dataset.value])")
             for field, value in cells:
                 want = tel["demand_load_s"] + tel["prefetch_stall_s"] if field == "stall_s" else tel[field]
                 assert _number(value) == want, field           # the same doubles, summed in the same order
 
             # the heatmap and the charts moved while it decoded
-            page.wait_for_function("window.mawforgeDashboard.charts.tok_s && window.mawforgeDashboard.charts.tok_s.length > 0")
+            page.wait_for_function("window.mawforgeDashboard.charts.tok_s "
+                                   "&& window.mawforgeDashboard.charts.tok_s.length > 0")
             after = shots()
             assert after[0] != before[0], "heatmap did not change"
             assert sum(a != b for a, b in zip(after[1:], before[1:])) >= 3, "charts did not change"
@@ -170,7 +173,8 @@ def test_dashboard_in_a_real_browser(server, tmp_path):
             # replay of this request's route trace against Belady
             page.click(row)
             page.wait_for_selector("[data-testid=replay-row] >> nth=2")
-            replay = httpx.get(f"{server.url}/dashboard/api/replay/{rid}", headers={"Authorization": f"Bearer {KEY}"}).json()
+            replay = httpx.get(f"{server.url}/dashboard/api/replay/{rid}",
+                               headers={"Authorization": f"Bearer {KEY}"}).json()
             rates = {r["policy"]: r for r in replay["rows"]}
             assert rates["belady"]["misses"] <= rates["s3fifo"]["misses"]     # the live (default) policy
             assert replay["live"]["hits"] == tel["hits"] and replay["live"]["misses"] == tel["misses"]

@@ -99,7 +99,8 @@ def test_hf_layouts_load_with_identical_logits(fixtures_root, arch):
     assert fused["model.layers.0.mlp.experts.gate_up_proj"] == [N_EXPERTS, 2 * EXPERT_FF, HIDDEN]
     assert fused["model.layers.0.mlp.experts.down_proj"] == [N_EXPERTS, HIDDEN, EXPERT_FF]
     ids = tokenizer_for(arch).tokenizer.encode(TEXT).ids
-    torch.testing.assert_close(_hf_logits(entry["hf"], ids), _hf_logits(entry["hf_fused"], ids), atol=F32_SAME_OPS_ATOL, rtol=0)
+    torch.testing.assert_close(_hf_logits(entry["hf"], ids), _hf_logits(entry["hf_fused"], ids),
+                               atol=F32_SAME_OPS_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -150,7 +151,8 @@ def test_gguf_f32_holds_hf_weights_with_llama_permutation(fixtures_root):
 def test_fused_hf_layout_converts_to_the_same_gguf(fixtures_root, tmp_path):
     entry = fixtures_root["qwen2_moe"]
     a = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(entry["gguf"]["F16"]).tensors}
-    b = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(write_gguf(entry["hf_fused"], tmp_path / "f.gguf", "F16")).tensors}
+    b = {t.name: np.asarray(t.data)
+         for t in gguf.GGUFReader(write_gguf(entry["hf_fused"], tmp_path / "f.gguf", "F16")).tensors}
     assert a.keys() == b.keys()
     assert all(np.array_equal(a[k], b[k]) for k in a)
 

@@ -48,7 +48,8 @@ def imports(tree: ast.AST):
                     yield a.name, fn, child.lineno
             elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
                 for a in child.names:      # `from pkg import sub` imports pkg.sub when it is a module
-                    yield (f"{child.module}.{a.name}" if (ROOT.parent / child.module.replace(".", "/") / a.name).exists()
+                    yield (f"{child.module}.{a.name}"
+                           if (ROOT.parent / child.module.replace(".", "/") / a.name).exists()
                            or (ROOT.parent / child.module.replace(".", "/") / f"{a.name}.py").exists()
                            else child.module), fn, child.lineno
             yield from walk(child, inner)

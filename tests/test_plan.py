@@ -22,7 +22,8 @@ def test_terms_add_up_and_scale(facts):
     assert p.K == kv_bytes(facts, 1024, p.kv_dtype)
     q = make_plan(facts, memory_budget_gib=1, context=2048, expert_cache_percent=50)
     assert q.K == 2 * p.K and q.C == p.C
-    assert make_plan(facts, context=1024, expert_cache_percent=50, stream_embeddings=True).C == p.C - facts.embedding_bytes
+    assert make_plan(facts, context=1024, expert_cache_percent=50, stream_embeddings=True).C \
+        == p.C - facts.embedding_bytes
 
 
 def test_rejections_are_results_with_reasons(facts):
@@ -81,8 +82,8 @@ def test_planned_footprint_is_within_ten_percent_of_measured_peak_rss(packs, sou
 # ---- a draft model beside the target ------------------------------------------------------
 
 def _pair_cli(packs, *extra):
-    return run_cli("plan", "--pack", str(packs[("qwen3_moe", "Q4_K_M")]), "--draft-pack", str(packs[("qwen3_moe", "Q8_0")]),
-                   "--context", "512", *extra)
+    return run_cli("plan", "--pack", str(packs[("qwen3_moe", "Q4_K_M")]),
+                   "--draft-pack", str(packs[("qwen3_moe", "Q8_0")]), "--context", "512", *extra)
 
 
 def test_pair_plan_figures_are_the_sum_of_the_parts(packs):

@@ -44,7 +44,8 @@ def test_governor_turns_prefetch_off_when_it_loses_and_says_why():
     gov = PrefetchGovernor(window=2, probe_every=3)
     states = _feed(gov, {"on": 0.5, "off": 0.25}, 60)      # prefetch on: 2 tok/s, off: 4 tok/s
     rep = gov.report()
-    assert rep["mode"] == "auto" and rep["tok_s"]["on"] == pytest.approx(2.0) and rep["tok_s"]["off"] == pytest.approx(4.0)
+    assert rep["mode"] == "auto" and rep["tok_s"]["on"] == pytest.approx(2.0) \
+        and rep["tok_s"]["off"] == pytest.approx(4.0)
     assert all(states[:6]) and states[6:8] == [False, False]  # on is the prior: off explored after 3 windows
     assert sum(states[10:]) < sum(not s for s in states[10:])  # mostly off once measured
     assert any(s for s in states[10:])                       # but keeps re-probing on
@@ -257,7 +258,8 @@ def test_auto_prefetch_is_transparent_and_reported(auto_run):
     assert rep["windows"]["on"] >= 1 and rep["windows"]["off"] >= 1
     s = auto_run["stats"]
     assert s["prefetch_issued"] > 0
-    assert s["prefetch_issued_bytes"] == s["prefetch_useful_bytes"] + s["prefetch_wasted_bytes"] + s["prefetch_pending_bytes"]
+    assert s["prefetch_issued_bytes"] == \
+        s["prefetch_useful_bytes"] + s["prefetch_wasted_bytes"] + s["prefetch_pending_bytes"]
 
 
 def test_trace_of_an_auto_run_replays_its_live_counters_exactly(auto_run):

@@ -39,8 +39,8 @@ FAMILIES = {
                         '"arguments": {"city": "Paris"}}\n</tool_call>', "User wants weather."),
     "Qwen3.5-4B": ("User wants weather.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
                    "</parameter>\n</function>\n</tool_call>", "User wants weather."),
-    "deepseek-ai-DeepSeek-V3.1": ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
-                                  "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", None),
+    "deepseek-ai-DeepSeek-V3.1": ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+                                  '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', None),
     "openai-gpt-oss-120b": ("<|channel|>analysis<|message|>User wants weather.<|end|><|start|>assistant<|channel|>"
                             'commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>',
                             "User wants weather."),
@@ -297,7 +297,8 @@ def test_server_prompt_is_transformers_prompt(rt, hf, stem):
     from mawforge.serve.chatreq import ChatFront, parse_chat_options
     from mawforge.serve.protocol import parse_request
     source = (TEMPLATES / f"{stem}.jinja").read_text()
-    call = {"id": "a1B2c3D4e", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    call = {"id": "a1B2c3D4e", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
                      {"role": "tool", "tool_call_id": call["id"], "content": '{"temp": 21}'}]
     front = ChatFront(ChatTemplate(source, rt.tokenizer.chat.bos, rt.tokenizer.chat.eos))

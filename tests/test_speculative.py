@@ -351,7 +351,8 @@ def test_cli_run_plans_the_draft_beside_the_target(packs):
     draft_L = make_plan(df, context=128, expert_cache_percent=100).L
     args = ("run", "--pack", str(packs[TARGET]), "--context", "128", "--max-tokens", "6", "--ignore-eos",
             "--speculative", "draft", "--draft-pack", str(packs[DRAFT]), "--threads", "1")
-    r = run_cli(*args, "--expert-cache-percent", "25", "--memory-budget-gib", str((alone.L + draft_L // 2) / 2**30), "hi")
+    r = run_cli(*args, "--expert-cache-percent", "25",
+                "--memory-budget-gib", str((alone.L + draft_L // 2) / 2**30), "hi")
     assert r.returncode == BudgetRejected.exit_code and "draft L" in r.stderr and "Traceback" not in r.stderr
     roomy = (alone.C + alone.K + 2 * alone.O + draft_L + tf.expert_bytes) / 2**30
     r = run_cli(*args, "--memory-budget-gib", str(roomy), "--telemetry-json", "one two one two")
@@ -375,7 +376,8 @@ def test_benchmark_script_writes_the_table(packs, tmp_path, capsys):
                        "--prompts", "prose", "--modes", "ngram", "draft", "--decode-tokens", "6",
                        "--warmup-tokens", "2", "--json-out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["cache"], r["mode"]) for r in rows] == [(c, m) for c in ("min", "50") for m in ("plain", "ngram", "draft")]
+    assert [(r["cache"], r["mode"]) for r in rows] == \
+        [(c, m) for c in ("min", "50") for m in ("plain", "ngram", "draft")]
     assert rows[3]["cache_percent"] == 50.0 and 0 < rows[0]["distinct_fraction"] <= 1
     for i, r in enumerate(rows):
         if r["mode"] != "plain":

@@ -24,7 +24,8 @@ CASES = [
     ("qwen-xml", "Hmm.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
                  "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>", True, "", "Hmm.", [PARIS]),
     ("deepseek", "Plan.</think>Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
-                 '{"city": "Paris", "days": 3}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', True, "Sure.", "Plan.", [PARIS]),
+                 '{"city": "Paris", "days": 3}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+     True, "Sure.", "Plan.", [PARIS]),
     ("deepseek", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
                  '{"city": "Paris", "days": 3}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', False, "", None, [PARIS]),
     ("deepseek-dsml", '<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" '

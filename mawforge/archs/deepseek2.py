@@ -95,7 +95,8 @@ def read_gguf(m: dict[str, Any]) -> dict:
     log_mul = float(m.get(a + "rope.scaling.yarn_log_multiplier", 0.0) or 0.0)
     mtp = int(m.get(a + "nextn_predict_layers", 0) or 0)     # counted in block_count, after the model's layers
     out = _deepseek(int(m[a + "block_count"]) - mtp, int(m[a + "attention.head_count"]),
-                    q_rank=int(m.get(a + "attention.q_lora_rank", 0) or 0), kv_rank=int(m[a + "attention.kv_lora_rank"]),
+                    q_rank=int(m.get(a + "attention.q_lora_rank", 0) or 0),
+                    kv_rank=int(m[a + "attention.kv_lora_rank"]),
                     nope=qk - rope, rope=rope, v=v, dense=int(m.get(a + "leading_dense_block_count", 0)),
                     dense_ff=int(m[a + "feed_forward_length"]), moe_ff=int(m[a + "expert_feed_forward_length"]),
                     n_shared=int(m.get(a + "expert_shared_count", 0)), router=router,
@@ -203,7 +204,8 @@ def model() -> type:
             if r["groups_used"] < r["groups"]:
                 g = choice.view(T, r["groups"], -1)                                   # [T, G, E/G]
                 gs = g.topk(2, dim=-1).values.sum(-1) if r["group_score"] == "top2sum" else g.amax(-1)
-                keep = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, gs.topk(r["groups_used"], dim=-1).indices, True)
+                keep = torch.zeros_like(gs, dtype=torch.bool).scatter_(
+                    1, gs.topk(r["groups_used"], dim=-1).indices, True)
                 choice = choice.masked_fill(~keep.repeat_interleave(g.shape[-1], dim=1), float("-inf"))
             idx = choice.topk(k, dim=-1).indices                                      # [T, k]
             w = scores.gather(1, idx)

@@ -55,8 +55,9 @@ def read_hf(c: dict) -> dict:
     pairs = int(float(rf.get("partial_rotary_factor", 1.0)) * d_f // 2) if rf.get("rope_type") == "proportional" \
         else int(d_f * float(rf.get("partial_rotary_factor", 1.0))) // 2
     return _gemma4_extra(full, heads=int(c["num_attention_heads"]), kv_s=int(c["num_key_value_heads"]), kv_f=kv_f,
-                         d_s=d_s, d_f=d_f, window=int(c["sliding_window"]), theta_s=float(rs.get("rope_theta", 10000.0)),
-                         theta_f=float(rf.get("rope_theta", 1e6)), pairs_f=pairs,
+                         d_s=d_s, d_f=d_f, window=int(c["sliding_window"]),
+                         theta_s=float(rs.get("rope_theta", 10000.0)), theta_f=float(rf.get("rope_theta", 1e6)),
+                         pairs_f=pairs,
                          softcap=c.get("final_logit_softcapping"), k_eq_v=bool(c.get("attention_k_eq_v")))
 
 
@@ -143,7 +144,8 @@ def model() -> type:
             G, D = self.shape[full]
             q = linear(x, self.w.packed(p + "attn_q.weight")).float().view(T, -1, D)
             k = linear(x, self.w.packed(p + "attn_k.weight")).float().view(T, G, D)
-            v = linear(x, self.w.packed(p + "attn_v.weight")).float().view(T, G, D) if self.w.has(p + "attn_v.weight") else k
+            v = linear(x, self.w.packed(p + "attn_v.weight")).float().view(T, G, D) \
+                if self.w.has(p + "attn_v.weight") else k
             inv = self.inv_freq[full]
             q = rope_rotate(self.norm(q, p + "attn_q_norm.weight"), pos, inv)
             k = rope_rotate(self.norm(k, p + "attn_k_norm.weight"), pos, inv)

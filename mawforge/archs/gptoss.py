@@ -63,7 +63,8 @@ def read_hf(c: dict[str, Any]) -> dict:
     return _gptoss(["sliding" if t == "sliding_attention" else "full" for t in types],
                    int(c["num_key_value_heads"]), hd, int(c["sliding_window"]),
                    float(c.get("swiglu_limit", SWIGLU_LIMIT)),
-                   _hf_yarn(rope, int(c.get("max_position_embeddings", 4096)))) | {"expert_ff": int(c["intermediate_size"])}
+                   _hf_yarn(rope, int(c.get("max_position_embeddings", 4096)))) \
+        | {"expert_ff": int(c["intermediate_size"])}
 
 
 def read_gguf(m: dict[str, Any]) -> dict:

@@ -52,7 +52,8 @@ def nextn_names(eh_proj: str, enorm: str, hnorm: str, head_norm: str) -> tuple:
     """HF names (regex tails after layers.N.) of an MTP block stored as layer n_layers ->
     llama.cpp's blk.N.nextn.* names."""
     canon = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head_norm.weight")
-    return tuple((r"layers\.(\d+)\." + hf, "blk.{0}.nextn." + c) for hf, c in zip((eh_proj, enorm, hnorm, head_norm), canon))
+    return tuple((r"layers\.(\d+)\." + hf, "blk.{0}.nextn." + c)
+                 for hf, c in zip((eh_proj, enorm, hnorm, head_norm), canon))
 
 
 def no_settings(cfg: dict) -> dict:

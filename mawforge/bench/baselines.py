@@ -118,7 +118,8 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def complete(backend: Backend, engine: str, mmap: bool, text: str, max_tokens: int, ignore_eos: bool) -> tuple[str, dict]:
+def complete(backend: Backend, engine: str, mmap: bool, text: str, max_tokens: int,
+             ignore_eos: bool) -> tuple[str, dict]:
     """Greedy generation timed like mawforge.telemetry: TTFT to the first sampled token,
     decode tok/s = (completion_tokens - 1) / (last token - first token)."""
     t0 = time.perf_counter()
@@ -177,7 +178,8 @@ def build_app(backend: Backend, engine: str, mmap: bool, model_id: str, max_toke
     async def health(request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok", "model": model_id, "engine": engine, "mmap": mmap})
 
-    return Starlette(routes=[Route("/health", health), Route("/v1/chat/completions", endpoint("chat"), methods=["POST"]),
+    return Starlette(routes=[Route("/health", health),
+                             Route("/v1/chat/completions", endpoint("chat"), methods=["POST"]),
                              Route("/v1/completions", endpoint("completion"), methods=["POST"])])
 
 

@@ -26,7 +26,8 @@ def _counts(rows: list[dict], plans: list[dict]) -> str:
     rej = [r for r in rows if r.get("status") == "rejected"]
     items = [("Matrix rows", len(rows)), ("Unique static plan rows", len(plans)),
              ("Feasible static plan rows", sum(bool(p["feasible"]) for p in plans)),
-             ("Static budget rejections", f"{sum(not p['feasible'] for p in plans)} unique cells, {len(rej)} matrix rows"),
+             ("Static budget rejections",
+              f"{sum(not p['feasible'] for p in plans)} unique cells, {len(rej)} matrix rows"),
              ("Guarded generation rows", len(gen)),
              ("Valid generation completions", sum(bool(r.get("valid")) for r in gen)),
              ("Memory guard triggers", sum(r.get("status") == "guard" for r in gen)),
@@ -67,7 +68,8 @@ def _plots(out: Path, table: list[dict], rows: list[dict]) -> list[str]:
     for model, ctx in sorted({(t["model"], t["context"]) for t in maw}):
         sel = [t for t in maw if t["model"] == model and t["context"] == ctx]
         for name, panels in (("latency", (("decode_tok_s", "decode tok/s", 1), ("ttft_s", "TTFT (s)", 1))),
-                             ("cache", (("hit_rate", "hit rate", 1), ("materialized_bytes", "materialized (GiB)", GiB)))):
+                             ("cache", (("hit_rate", "hit rate", 1),
+                                        ("materialized_bytes", "materialized (GiB)", GiB)))):
             fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
             for ax, (key, label, scale) in zip(axes, panels):
                 for cls in sorted({t["prompt_class"] for t in sel}):
@@ -87,7 +89,8 @@ def _plots(out: Path, table: list[dict], rows: list[dict]) -> list[str]:
             plt.close(fig)
             made.append(path)
     pts = [(r["plan"]["F"] / GiB, r["memory"]["max_tree_rss_bytes"] / GiB) for r in rows
-           if r.get("valid") and r.get("status") == "ok" and r.get("plan") and (r.get("memory") or {}).get("max_tree_rss_bytes")]
+           if r.get("valid") and r.get("status") == "ok" and r.get("plan")
+           and (r.get("memory") or {}).get("max_tree_rss_bytes")]
     if pts:
         fig, ax = plt.subplots(figsize=(4.8, 4.2))
         ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=14)

@@ -172,7 +172,8 @@ def tune(setup: TuneSetup, out: Path, objective: Objective, points: int = 5, rou
     best = _best(pts, objective)
     if best is None:
         raise BudgetRejected("no measured cache point produced a valid run; see the evidence in " + str(out))
-    result = {"schema": SCHEMA, "serve": {"pack": str(Path(setup.pack).resolve()), "memory_budget_gib": setup.budget_gib,
+    result = {"schema": SCHEMA, "serve": {"pack": str(Path(setup.pack).resolve()),
+                                          "memory_budget_gib": setup.budget_gib,
                                           "context": setup.context, "expert_cache_percent": best.cache_percent},
               "objective": objective.describe(pts), "recommended": vars(best),
               "feasible_range": [lo, hi], "curve": [vars(p) for p in pts]}

@@ -47,7 +47,8 @@ def _libc_mremap():
 
 _LIBC = _libc_mremap()
 _FAILED = ctypes.c_void_p(-1).value
-_PROT_RW, _MAP_PRIVATE_ANON, _MREMAP_MAYMOVE = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, 1
+_PROT_RW, _MAP_PRIVATE_ANON, _MREMAP_MAYMOVE = (mmap.PROT_READ | mmap.PROT_WRITE,
+                                               mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, 1)
 
 
 class _Pages:
@@ -76,8 +77,8 @@ class SlotMemory:
     larger) must turn a free slot of one size into one of the other whenever the victim and the
     miss differ in size: about every other miss. Unmapping a slot and mapping a fresh one costs
     about 2 ms of CPU for 3 MB (each page is zero-filled on first touch, inside the read; measured
-    on the Intel Xeon), taken from the compute; `resize` moves the slot's pages with mremap, so only a growth's new pages
-    are faulted in (about 0.1 ms). Where there is no mremap (not Linux) it maps anew.
+    on the Intel Xeon), taken from the compute; `resize` moves the slot's pages with mremap, so only
+    a growth's new pages are faulted in (about 0.1 ms). Where there is no mremap (not Linux) it maps anew.
 
     `resize` and `close` unmap the old range at once, as mmap.close did: the caller drops every
     tensor it will use over the memory first (a stale view is never read again)."""

@@ -126,7 +126,8 @@ class Codec:
         views = {}
         for off, spec in zip(offsets, parts):
             if off < 0 or off + spec.nbytes > buf.numel():
-                raise FormatError(f"part {spec.name!r} [{off}, {off + spec.nbytes}) lies outside a {buf.numel()}-byte block")
+                raise FormatError(f"part {spec.name!r} [{off}, {off + spec.nbytes}) "
+                                  f"lies outside a {buf.numel()}-byte block")
             if (buf.storage_offset() + off) % spec.itemsize:
                 raise FormatError(f"part {spec.name!r} at byte {off} is not aligned to its {spec.itemsize}-byte dtype")
             views[spec.name] = buf[off:off + spec.nbytes].view(TORCH_DTYPES[spec.dtype]).view(spec.shape)

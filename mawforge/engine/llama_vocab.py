@@ -166,7 +166,8 @@ class GgufVocab:
         name = str(meta.get("general.name", "")).lower()
         pre, arch = str(meta.get("tokenizer.ggml.pre", "")), str(meta.get("general.architecture", ""))
         mask = None
-        if any(s in pre for s in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or arch in ("nomic-bert-moe", "jina-bert-v3"):
+        if any(s in pre for s in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) \
+                or arch in ("nomic-bert-moe", "jina-bert-v3"):
             mask = "<mask>"
         elif "phi-3" in name or "phi3" in name:
             for i in self.special_cache:
@@ -348,7 +349,7 @@ class GgufVocab:
             parts[0] = parts[0][1:]
         return b"".join(parts)
 
-    # ------------------------------------------------------------------ the tokenizers.Tokenizer names TextTokenizer uses
+    # ---------------------------------------------------- the tokenizers.Tokenizer names TextTokenizer uses
     def decode(self, ids: list[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 

@@ -33,7 +33,8 @@ _HF_COMMON = [
 
 # HF routed experts: (pattern, kind, fused). Fused = one 3-D parameter for all experts.
 _HF_EXPERTS = [
-    (r"layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.experts\.gate_up_proj", "gate_up", True),   # llama4: feed_forward
+    # llama4: feed_forward
+    (r"layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.experts\.gate_up_proj", "gate_up", True),
     (r"layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.experts\.down_proj", "down", True),
     (r"layers\.(\d+)\.experts\.gate_up_proj", "gate_up", True),    # gemma4: experts beside the MLP
     (r"layers\.(\d+)\.experts\.down_proj", "down", True),

@@ -107,7 +107,8 @@ class Source:
         become common tensors: one 3-D tensor when the experts are contiguous, else one tensor
         per expert. An MTP layer's own embedding and output head (GGUF nextn.embed_tokens,
         nextn.shared_head_head) repeat the model's (DeepSeek-V3 shares them) and are dropped."""
-        for name in [n for n in self.common if n.endswith(("nextn.embed_tokens.weight", "nextn.shared_head_head.weight"))]:
+        for name in [n for n in self.common
+                     if n.endswith(("nextn.embed_tokens.weight", "nextn.shared_head_head.weight"))]:
             del self.common[name]
         for (layer, kind) in [k for k in self.experts if k[0] >= self.config.n_layers]:
             t = self.experts.pop((layer, kind))

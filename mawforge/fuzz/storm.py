@@ -150,7 +150,8 @@ def storm(url: str, model: str, cfg: Storm, context: int, terminate=None) -> Res
             i, stream = (c + k) % len(prompts), (c + k) % 2 == 1
             path = CHAT if k % 2 else COMP
             body = {"model": model, "temperature": 0, "max_tokens": cfg.max_tokens, "stream": stream}
-            body.update({"messages": [{"role": "user", "content": prompts[i]}]} if path == CHAT else {"prompt": prompts[i]})
+            body.update({"messages": [{"role": "user", "content": prompts[i]}]} if path == CHAT
+                        else {"prompt": prompts[i]})
             for _ in range(200):             # a polite client: on 429, wait as told (capped) and retry
                 status, headers, raw = h.post(path, body)
                 with lock:

@@ -131,7 +131,8 @@ class DecodeAttention:
             (wq, tq), (wk, tk), (wv, tv) = ws
             args = native.LayerArgs(attn_norm=ptr(norms[0]), ffn_norm=ptr(norms[1]), wq=ptr(wq), wk=ptr(wk), wv=ptr(wv),
                                     wo=ptr(wo[0]), bq=ptr(biases[0]), bk=ptr(biases[1]), bv=ptr(biases[2]), bo=ptr(bo),
-                                    nq=ptr(nq), nk=ptr(nk), router=ptr(router), tq=tq, tk=tk, tv=tv, to=wo[1], kind=kind)
+                                    nq=ptr(nq), nk=ptr(nk), router=ptr(router), tq=tq, tk=tk, tv=tv, to=wo[1],
+                                    kind=kind)
             whole.append(args)
             keep.append((norms, wo, bo, router))
         return whole, keep
@@ -178,7 +179,8 @@ class DecodeAttention:
                     or k.device.type != "cpu"):
                 self._kv = None
                 return False
-            args.kc, args.vc, args.kv_stride, args.kv_dtype = k.data_ptr(), v.data_ptr(), kv.context * d, native.KV_DTYPES[k.dtype]
+            args.kc, args.vc, args.kv_stride, args.kv_dtype = (k.data_ptr(), v.data_ptr(), kv.context * d,
+                                                               native.KV_DTYPES[k.dtype])
         self._kv, self._kv_tensors = kv, (list(ks[:len(self.whole)]), list(vs[:len(self.whole)]))
         return True
 

@@ -23,7 +23,8 @@ class Blocks:
         cls.qtype = qtype
         Blocks.formats[qtype] = cls()
 
-    def encode(self, rng: np.random.Generator, rows: int, cols: int, std: float, mean: np.ndarray | None = None) -> np.ndarray:
+    def encode(self, rng: np.random.Generator, rows: int, cols: int, std: float,
+               mean: np.ndarray | None = None) -> np.ndarray:
         raise NotImplementedError
 
     @staticmethod
@@ -86,7 +87,8 @@ class _Q4_K(Blocks, qtype=Q.Q4_K):
         nb = rows * cols // 256
         sc = rng.integers(24, 41, size=(nb, 8), dtype=np.int16)
         d = std / (4.61 * 32)
-        m = sc if mean is None else np.clip(sc - np.rint(_group_means(mean, rows, 8) / (7.5 * d)).astype(np.int16), 0, 63)
+        m = sc if mean is None else \
+            np.clip(sc - np.rint(_group_means(mean, rows, 8) / (7.5 * d)).astype(np.int16), 0, 63)
         s = np.empty((nb, 12), np.uint8)
         s[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
         s[:, 4:8] = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)

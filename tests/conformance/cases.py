@@ -10,8 +10,8 @@ How to add a row (a new architecture `foo`):
      api.BUILDERS (the one file that imports MawForge).
   2. Append `ArchCase("foo", builder="yours", ggufs=(...), llama=(Llama("F32"), ...), ...)` to
      CASES below (llama=() where the vendored llama.cpp lacks the arch; the fields are
-     described where ArchCase declares them). Tolerances come from tests/bounds.py only; a llama.cpp min_top1 below 1.0 needs
-     its measurement in a comment.
+     described where ArchCase declares them). Tolerances come from tests/bounds.py only; a
+     llama.cpp min_top1 below 1.0 needs its measurement in a comment.
   3. Run `PYTHONPATH=$PWD python -m pytest tests/conformance -x -q -k foo`. Checks that only
      your family has go in tests/conformance/test_family_<name>.py.
 
@@ -88,7 +88,8 @@ CASES: tuple[ArchCase, ...] = (
     # quantizes activations), bound 0.9 (on TOKENS, 2026-12-01: DeepSeek-V3 Q8_0 0.925, MXFP4 1.00).
     ArchCase("deepseek_v3", "ds_oss", hf=("hf", "hf_yarn"), ggufs=("F32", "Q8_0"), logits=("hf", "hf_yarn", "F32"),
              llama=(Llama("F32"), Llama("Q8_0", 0.9)), llama_tokens=DS_OSS_TOKENS, transparent=("hf",),
-             plan_source="hf", dense_layers=(0,), mtp=("mtp:hf", "mtp:F32", "mtp:Q8_0"), mtp_greedy=("mtp:hf", "mtp:Q8_0")),
+             plan_source="hf", dense_layers=(0,), mtp=("mtp:hf", "mtp:F32", "mtp:Q8_0"),
+             mtp_greedy=("mtp:hf", "mtp:Q8_0")),
     ArchCase("deepseek_v2", "ds_oss", logits=("hf",), ggufs=(), llama_f32_atol=None, transparent=("hf",),
              plan_source="hf", dense_layers=(0,)),
     # GGUF F32 differs from HF by YaRN truncation (test_family_deepseek_gptoss), so only "hf" is exact

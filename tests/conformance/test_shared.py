@@ -26,7 +26,8 @@ def test_f32_logits_match_transformers(sources, case, source):
     torch.testing.assert_close(got, sources.hf_logits(case, source), rtol=0, atol=case.logits_atol)
 
 
-@pytest.mark.parametrize("case", rows(lambda c: c.llama_f32_atol is not None and any(k.ftype == "F32" for k in c.llama)),
+@pytest.mark.parametrize("case",
+                         rows(lambda c: c.llama_f32_atol is not None and any(k.ftype == "F32" for k in c.llama)),
                          ids=lambda c: c.id)
 def test_llama_cpp_f32_logits_match_transformers(sources, case):
     """The reference itself: llama.cpp on the F32 GGUF against transformers on the HF directory
