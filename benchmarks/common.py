@@ -86,7 +86,8 @@ def pack_of(gguf: Path, layout: str = "exact") -> Path:
     return out
 
 
-def worker_row(script: str, args: list[str], limit_bytes: int | None = None, timeout: float = 1800) -> dict:
+def worker_row(script: str, args: list[str], limit_bytes: int | None = None, timeout: float = 1800,
+               env: dict | None = None) -> dict:
     """Run `script worker ARGS` on a dropped page cache (inside a cgroup v1 memory limit when
     limit_bytes is set); its last JSON line, plus exit status, peak RSS, wall time, cgroup stats."""
     cmd = [PY, os.path.abspath(script), "worker", *args]
@@ -97,7 +98,7 @@ def worker_row(script: str, args: list[str], limit_bytes: int | None = None, tim
         cmd = cg.wrap(cmd)
     try:
         drop_caches()
-        r = run_measured(cmd, timeout=timeout)
+        r = run_measured(cmd, timeout=timeout, env=env)
         stats = cg.stats() if cg else {}
     finally:
         if cg:
