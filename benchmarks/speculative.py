@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mawforge.engine.generate import generate  # noqa: E402
 from mawforge.engine.runtime import Runtime, RuntimeOptions  # noqa: E402
 from mawforge.engine.sampling import SamplingParams  # noqa: E402
-from mawforge.engine.speculative import SpecOptions, Speculator  # noqa: E402
+from mawforge.speculative.decode import SpecOptions, Speculator  # noqa: E402
 from mawforge.plan import PackFacts  # noqa: E402
 
 CODE_EDIT = ("Rename `total` to `acc` in this function and return the same code.\n\n"

@@ -266,7 +266,7 @@ class Model:
             from mawforge.serve.chatreq import ChatDefaults, ChatFront
             chat = self.runtime.tokenizer.chat
             if self._chat_template is not None:
-                from mawforge.engine.chat import ChatTemplate
+                from mawforge.text.chat import ChatTemplate
                 chat = ChatTemplate(self._chat_template, chat.bos, chat.eos)
             self._front = ChatFront(chat, ChatDefaults())
         return self._front
@@ -303,7 +303,7 @@ def load(path: str | os.PathLike, *, memory_budget_gib: float | None = None, con
     try:
         spec = None
         if speculative not in (None, "off"):
-            from mawforge.engine.speculative import SpecOptions, Speculator
+            from mawforge.speculative.decode import SpecOptions, Speculator
             spec = Speculator(rt, SpecOptions(mode=speculative))
     except BaseException:
         rt.close()

@@ -1,4 +1,4 @@
-"""Regenerate mawforge/engine/pretok_table.py from llama.cpp's src/llama-vocab.cpp (in the pinned
+"""Regenerate mawforge/text/pretok_table.py from llama.cpp's src/llama-vocab.cpp (in the pinned
 llama-cpp-python sdist): the regex list of every BPE pre-tokenizer type, copied as C string
 literals (Python reads the same escapes), and the `tokenizer.ggml.pre` names with the flags each
 sets. Types that need llama.cpp code MawForge does not reproduce are left out (see UNSUPPORTED).

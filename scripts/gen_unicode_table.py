@@ -1,4 +1,4 @@
-"""Regenerate mawforge/engine/unicode_table.py from llama.cpp's src/unicode-data.cpp (in the pinned
+"""Regenerate mawforge/text/unicode_table.py from llama.cpp's src/unicode-data.cpp (in the pinned
 llama-cpp-python sdist), so the pre-tokenizer classifies every codepoint exactly as llama.cpp does
 (its table comes from a newer Unicode release than Python's unicodedata).
 

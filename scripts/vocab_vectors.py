@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mawforge.engine.tokenizer import from_gguf_metadata
+from mawforge.text.tokenizer import from_gguf_metadata
 from mawforge.fixtures.llama_vocabs import SEPARATOR, vocab_dir, vocab_files
 from mawforge.formats.gguf import read_header
 

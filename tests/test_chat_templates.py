@@ -7,7 +7,7 @@ import copy
 
 import pytest
 
-from mawforge.engine.chat import ChatTemplate
+from mawforge.text.chat import ChatTemplate
 from mawforge.errors import RequestError
 from mawforge.fixtures.sdist_templates import SdistMissing, template_dir
 

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import transformers
 
-from mawforge.engine.tokenizer import Detokenizer, load_tokenizer
+from mawforge.text.tokenizer import Detokenizer, load_tokenizer
 from mawforge.fixtures.hf_tokenizers import FAMILIES, build_family
 from mawforge.pack.manifest import read_manifest
 from mawforge.pack.packer import pack

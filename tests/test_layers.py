@@ -1,4 +1,4 @@
-"""Dependencies go one way: formats -> quant codecs -> kernels -> models -> cache -> engine ->
+"""Dependencies go one way: formats and text -> quant codecs -> kernels -> models -> cache -> engine ->
 serve/bench/trace. Every `import` in mawforge/ counts, module-level or inside a function, so no
 lazy import can hide a cycle. An architecture file (mawforge/archs/<name>.py) is torch-free
 formats-level code, except the body of its `model()`, which is model code."""
@@ -15,12 +15,14 @@ ROOT = Path(__file__).resolve().parents[1] / "mawforge"
 LAYERS = {
     "mawforge": 0, "mawforge.errors": 0,
     "mawforge.archs": 1, "mawforge.formats": 1, "mawforge.byte_rules": 1,
+    "mawforge.text": 1,              # tokenizers, chat templates, tool-call formats: torch-free, errors only
     "mawforge.codecs": 2, "mawforge.pack": 2.5,
     "mawforge.kernels": 3,
     "mawforge.models": 4,
     "mawforge.plan": 5, "mawforge.cache": 5,
     "mawforge.trace.record": 5,      # the route-trace format the live cache writes and replay reads
     "mawforge.engine": 6, "mawforge.telemetry": 6,
+    "mawforge.speculative": 6.5,     # plugs into the generator's Decoder protocol
     "mawforge.serve": 7, "mawforge.bench": 7, "mawforge.trace": 7, "mawforge.cli": 7,
     "mawforge.api": 7, "mawforge.commands": 7,
     "mawforge.synth": 7, "mawforge.fixtures": 7, "mawforge.fuzz": 7, "mawforge.demo": 7,

@@ -293,7 +293,7 @@ def test_server_options_are_llama_servers_and_fail_in_one_line(tmp_path):
 def test_server_prompt_is_transformers_prompt(rt, hf, stem):
     """The exact string the server tokenizes (OpenAI-shaped request in, arguments as JSON strings)
     against transformers' rendering of the same conversation."""
-    from mawforge.engine.chat import ChatTemplate
+    from mawforge.text.chat import ChatTemplate
     from mawforge.serve.chatreq import ChatFront, parse_chat_options
     from mawforge.serve.protocol import parse_request
     source = (TEMPLATES / f"{stem}.jinja").read_text()

@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-from mawforge.engine.drafters import DraftModelDrafter, Drafter, NgramDrafter
+from mawforge.speculative.drafters import DraftModelDrafter, Drafter, NgramDrafter
 from mawforge.engine.generate import generate
 from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.engine.sampling import Sampler, SamplingParams
-from mawforge.engine.spec_accounting import AutoController
-from mawforge.engine.speculative import SpecOptions, Speculator, accept_drafts
+from mawforge.speculative.accounting import AutoController
+from mawforge.speculative.decode import SpecOptions, Speculator, accept_drafts
 from mawforge.errors import BudgetRejected, FormatError, RequestError, UnsupportedError
 from mawforge.plan import PackFacts, make_plan
 from helpers import run_cli, sample_outputs
@@ -37,7 +37,7 @@ def forward_clock(monkeypatch):
     """Replaces auto's clock with one that advances one unit per forward call, whatever its
     width: a machine where a verify step costs what a one-token step does. On it speculation
     never loses (ties go to 'spec'), so auto must verify, and no test depends on real speed."""
-    from mawforge.engine import speculative
+    from mawforge.speculative import decode as speculative
     now = [0.0]
     forward = Runtime.forward
 
@@ -290,7 +290,7 @@ def test_auto_controller_keeps_the_faster_mode_and_reprobes():
 def test_auto_falls_back_to_plain_when_speculation_is_slower(packs, monkeypatch):
     """A drafter whose proposals are always wrong and cost a (fake) second each: auto must
     spend most steps plain. The engine's clock is replaced, so nothing here is timed."""
-    from mawforge.engine import speculative
+    from mawforge.speculative import decode as speculative
     now = [0.0]
 
     def clock():

@@ -9,10 +9,10 @@ import random
 
 import pytest
 
-from mawforge.engine import pretok
-from mawforge.engine.llama_vocab import GgufVocab
-from mawforge.engine.pretok_table import PRE_NAMES, REGEXES
-from mawforge.engine.tokenizer import Detokenizer, from_gguf_metadata
+from mawforge.text import pretok
+from mawforge.text.llama_vocab import GgufVocab
+from mawforge.text.pretok_table import PRE_NAMES, REGEXES
+from mawforge.text.tokenizer import Detokenizer, from_gguf_metadata
 from mawforge.errors import MawError, UnsupportedError
 from mawforge.fixtures.llama_vocabs import (EMBEDDING_ONLY, llama_tokenize_many, read_vectors, vocab_dir,
                                             vocab_files, with_pre)

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from mawforge.fixtures.sdist_templates import SdistMissing, template_dir
-from mawforge.serve.outparse import OutputParser, collect
-from mawforge.serve.tools import FORMATS, detect
+from mawforge.text.outparse import OutputParser, collect
+from mawforge.text.tools import FORMATS, detect
 
 SCHEMAS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
            "search": {"type": "object", "properties": {"q": {"type": "string"}}}}

@@ -51,7 +51,7 @@ class LlamaCppBackend(Backend, name="llama_cpp"):
     def __init__(self, model: str, context: int, threads: int | None, mmap: bool):
         from llama_cpp import Llama
 
-        from mawforge.engine.tokenizer import ChatTemplate
+        from mawforge.text.tokenizer import ChatTemplate
         kw = {"n_threads": threads, "n_threads_batch": threads} if threads else {}
         self.llm = Llama(model_path=model, n_ctx=context, use_mmap=mmap, seed=0, verbose=False, **kw)
         self.chat = ChatTemplate(self.llm.metadata.get("tokenizer.chat_template"))
@@ -81,7 +81,7 @@ class TransformersBackend(Backend, name="transformers"):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from mawforge.engine.tokenizer import ChatTemplate
+        from mawforge.text.tokenizer import ChatTemplate
         if threads:
             torch.set_num_threads(threads)
         self.torch = torch

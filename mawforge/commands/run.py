@@ -107,14 +107,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--telemetry-json", action="store_true", help="print telemetry as JSON")
-    from mawforge.engine.speculative import add_speculative_arguments
+    from mawforge.speculative.decode import add_speculative_arguments
     add_speculative_arguments(p)
 
 
 def main(a: argparse.Namespace) -> int:
     from mawforge.api import Model
     from mawforge.engine.runtime import Runtime
-    from mawforge.engine.speculative import pair_plan_or_reject, speculator_from_args
+    from mawforge.speculative.decode import pair_plan_or_reject, speculator_from_args
     pair = pair_plan_or_reject(a)          # a draft pack's L is planned beside the target's
     recorder = make_recorder(a)
     rt = Runtime(a.pack, runtime_options(a, pair.draft.L if pair else 0), recorder=recorder)
@@ -141,7 +141,7 @@ def main(a: argparse.Namespace) -> int:
                     t = ev.telemetry
                     print(json.dumps(t.to_dict()) if a.telemetry_json else t.line(), file=sys.stderr)
                     if model.speculator is not None and not a.telemetry_json:
-                        from mawforge.engine.speculative import summary_line
+                        from mawforge.speculative.decode import summary_line
                         print(summary_line(t.speculative), file=sys.stderr)
     finally:
         if recorder is not None:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 
 from mawforge.engine.runtime import Runtime
 from mawforge.engine.sampling import Sampler, SamplingParams
-from mawforge.engine.speculative import PlainDecoder
-from mawforge.engine.tokenizer import Detokenizer
+from mawforge.text.tokenizer import Detokenizer
 from mawforge.errors import RequestError
 from mawforge.telemetry import StallMeter, Telemetry, peak_rss_bytes, rss_bytes
 
@@ -56,6 +55,37 @@ class _StopScanner:
         return out
 
 
+class Decoder(Protocol):
+    """What the generator asks of a decoding strategy, one per request: `step` runs the model
+    and returns the next tokens (one, or accepted drafts and one more; at most `room`), `finish`
+    says how many of the last step's tokens the request used, `report` its telemetry (or None)."""
+
+    def step(self, context: list[int], room: int) -> list[int]: ...
+    def finish(self, used: int) -> None: ...
+    def report(self) -> dict | None: ...
+    def close(self) -> None: ...
+
+
+class PlainDecoder:
+    """One token per step: the Decoder `generate` runs when speculation is off (and the base of
+    speculative decoders, mawforge/speculative/decode.py)."""
+
+    def __init__(self, rt: Runtime, sampler: Sampler) -> None:
+        self.rt, self.sampler = rt, sampler
+
+    def step(self, context: list[int], room: int) -> list[int]:
+        return [self.sampler.sample(self.rt.forward([context[-1]], kind="decode")[-1])]
+
+    def finish(self, used: int) -> None:
+        pass
+
+    def report(self) -> dict | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
 def validate(rt: Runtime, prompt: list[int], params: SamplingParams) -> None:
     if not prompt:
         raise RequestError("the prompt is empty")
@@ -70,8 +100,9 @@ def validate(rt: Runtime, prompt: list[int], params: SamplingParams) -> None:
 
 def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
              cancelled: Callable[[], bool] = lambda: False, speculative=None) -> Iterator[Event]:
-    """`speculative`: an engine.speculative.Speculator, or None for plain decoding. Either way
-    each step returns the next tokens (one, or accepted drafts plus one) and they stream alike."""
+    """`speculative`: anything with `decoder(prompt, params, sampler) -> Decoder` (a
+    speculative.decode.Speculator), or None for plain decoding. Either way each step returns
+    the next tokens (one, or accepted drafts plus one) and they stream alike."""
     validate(rt, prompt, params)
     sampler, detok, scan = Sampler(params), Detokenizer(rt.tokenizer), _StopScanner(params.stop)
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else rt.tokenizer.eos_ids)

@@ -14,7 +14,7 @@ from mawforge.models.kv import KVCache
 from mawforge.engine.allocator import bound_allocator
 from mawforge.engine.prefetch_auto import AUTO_PREFETCHER, PrefetchGovernor
 from mawforge.engine.threads import ThreadGovernor
-from mawforge.engine.tokenizer import load_tokenizer
+from mawforge.text.tokenizer import load_tokenizer
 from mawforge.engine.weights import CommonWeights
 from mawforge.errors import BudgetRejected, FormatError, RequestError
 from mawforge.kernels import native

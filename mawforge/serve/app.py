@@ -28,10 +28,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from mawforge.engine.chat import ChatTemplate
+from mawforge.text.chat import ChatTemplate
 from mawforge.engine.generate import validate
 from mawforge.commands.run import add_runtime_arguments, make_recorder, runtime_options
-from mawforge.engine.speculative import add_speculative_arguments, speculator_from_args
+from mawforge.speculative.decode import add_speculative_arguments, speculator_from_args
 from mawforge.errors import BudgetRejected, MawError, RequestError
 from mawforge.serve import limits
 from mawforge.serve import protocol as P
@@ -419,7 +419,7 @@ def main(a: argparse.Namespace) -> int:
     import signal
 
     from mawforge.engine.runtime import Runtime
-    from mawforge.engine.speculative import uses_draft_pack
+    from mawforge.speculative.decode import uses_draft_pack
     from mawforge.plan import PackFacts, make_plan, pair_plan_from_args
     opts = runtime_options(a)
     if a.dashboard:                              # its kept route traces are planned in O

@@ -14,11 +14,11 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from mawforge.engine.chat import ChatTemplate
+from mawforge.text.chat import ChatTemplate
 from mawforge.errors import RequestError
-from mawforge.serve.outparse import OutputParser, ToolCall, argument_chunks, collect
+from mawforge.text.outparse import OutputParser, ToolCall, argument_chunks, collect
 from mawforge.serve.protocol import ApiError
-from mawforge.serve.tools import ToolFormat, detect
+from mawforge.text.tools import ToolFormat, detect
 
 REASONING_FORMATS = ("auto", "deepseek", "none")      # llama-server's --reasoning-format names
 REASONING_MODES = ("auto", "on", "off")                # llama-server's --reasoning

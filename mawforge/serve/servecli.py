@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from mawforge.engine.chat import ChatTemplate
+from mawforge.text.chat import ChatTemplate
 from mawforge.errors import MawError
 from mawforge.serve.chatreq import REASONING_FORMATS, REASONING_MODES, ChatDefaults
 

@@ -233,7 +233,7 @@ class EngineWorker:
             return self.speculator.for_request(mode)
         if mode in (None, "off"):
             return None
-        from mawforge.engine.speculative import SpecOptions, Speculator
+        from mawforge.speculative.decode import SpecOptions, Speculator
         return Speculator(self.rt, SpecOptions(mode=mode))
 
     def _fail(self, job: Job, f: Failure, queue_s: float | None = None) -> None:

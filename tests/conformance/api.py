@@ -7,7 +7,7 @@ from typing import Callable, NamedTuple
 from mawforge.engine.generate import generate
 from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.engine.sampling import Sampler, SamplingParams
-from mawforge.engine.speculative import SpecOptions, Speculator
+from mawforge.speculative.decode import SpecOptions, Speculator
 from mawforge.errors import BudgetRejected, MawError, UnsupportedError
 from mawforge.fixtures import families_ds_oss as ds_oss
 from mawforge.fixtures import families_qwen35_gemma4 as q35_gemma4

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from mawforge.engine.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate  # noqa: F401  (re-exported: the old home)
-from mawforge.engine.llama_vocab import GgufVocab
+from mawforge.text.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate  # noqa: F401  (re-exported: the old home)
+from mawforge.text.llama_vocab import GgufVocab
 from mawforge.errors import FormatError
 
 

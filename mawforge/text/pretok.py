@@ -19,8 +19,8 @@ import re
 import zlib
 from array import array
 
-from mawforge.engine import unicode_table
-from mawforge.engine.pretok_splitters import CUSTOM, LET, MARK, NUM, PUNCT, SYM, WS
+from mawforge.text import unicode_table
+from mawforge.text.pretok_splitters import CUSTOM, LET, MARK, NUM, PUNCT, SYM, WS
 
 _COLLAPSED = {NUM: "\xd1", LET: "\xd2", PUNCT: "\xd3", MARK: "\xd4", SYM: "\xd5"}
 _UCAT = {"\\p{N}": NUM, "\\p{L}": LET, "\\p{P}": PUNCT, "\\p{M}": MARK, "\\p{S}": SYM,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from mawforge.serve.tools import ToolFormat
+from mawforge.text.tools import ToolFormat
 
 
 @dataclass(frozen=True)

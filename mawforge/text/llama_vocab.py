@@ -12,8 +12,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from mawforge.engine import pretok
-from mawforge.engine.pretok_table import PRE_NAMES, REGEXES
+from mawforge.text import pretok
+from mawforge.text.pretok_table import PRE_NAMES, REGEXES
 from mawforge.errors import FormatError, UnsupportedError
 
 # llama_token_attr bits, and gguf token types -> attrs (llama_vocab::impl::load)

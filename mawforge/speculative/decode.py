@@ -21,10 +21,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from mawforge.engine.drafters import Drafter, has_mtp, make_drafter
+from mawforge.speculative.drafters import Drafter, has_mtp, make_drafter
+from mawforge.engine.generate import PlainDecoder
 from mawforge.engine.runtime import Runtime
 from mawforge.engine.sampling import Sampler, SamplingParams
-from mawforge.engine.spec_accounting import AutoController, Counterfactual, RouteTap, counters, delta
+from mawforge.speculative.accounting import AutoController, Counterfactual, RouteTap, counters, delta
 from mawforge.errors import BudgetRejected, RequestError
 from mawforge.plan import GiB, PairPlan, draft_footprint, pair_plan_from_args
 
@@ -97,25 +98,6 @@ def accept_drafts(sampler: Sampler, logits: torch.Tensor, drafts: list[int],
         return len(drafts), sampler.sample(logits[len(drafts)])
     finally:
         sampler.rollback(n)
-
-
-class PlainDecoder:
-    """One token per step: what `generate` runs when speculation is off."""
-
-    def __init__(self, rt: Runtime, sampler: Sampler) -> None:
-        self.rt, self.sampler = rt, sampler
-
-    def step(self, context: list[int], room: int) -> list[int]:
-        return [self.sampler.sample(self.rt.forward([context[-1]], kind="decode")[-1])]
-
-    def finish(self, used: int) -> None:
-        pass
-
-    def report(self) -> dict | None:
-        return None
-
-    def close(self) -> None:
-        pass
 
 
 class SpecDecoder(PlainDecoder):
