@@ -19,6 +19,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from mawforge.cache.core import CacheCore, RouteDriver, check_capacity
+from mawforge.cache.observer import CacheObserver
 from mawforge.cache.policies import make_policy
 from mawforge.cache.prefetchers import make_prefetcher
 from mawforge.cache.store import ExpertStore, SlotMemory, round_page
@@ -62,7 +63,10 @@ class _Slot:
 class ExpertCache:
     def __init__(self, store: ExpertStore, index: ExpertIndex, capacity_bytes: int, top_k: int,
                  device: torch.device, policy: str = "s3fifo", prefetch: str | None = None, recorder=None):
-        self.store, self.index, self.device, self.recorder = store, index, device, recorder
+        self.store, self.index, self.device = store, index, device
+        # what happens to the cache, told to every observer in order (CacheObserver): the route
+        # trace recorder (--trace-out), the dashboard's request traces, speculation's route tap
+        self.observers: list[CacheObserver] = [recorder] if recorder is not None else []
         self.slot_bytes = [round_page(lb.block_nbytes) for lb in index.layers]
         self.minimum = check_capacity(capacity_bytes, self.slot_bytes, top_k)
         self.capacity = capacity_bytes
@@ -90,8 +94,8 @@ class ExpertCache:
         return self.slot_bytes[layer]
 
     def begin_step(self, kind: str, n_tokens: int) -> None:
-        if self.recorder is not None:
-            self.recorder.begin_step(kind, n_tokens, prefetch=self.driver.enabled)
+        for o in self.observers:
+            o.begin_step(kind, n_tokens, prefetch=self.driver.enabled)
         self._run_prefetch(self.driver.begin_step(kind, n_tokens))
 
     def end_step(self) -> None:
@@ -181,8 +185,8 @@ class ExpertCache:
         """Per group of this layer's routed experts (idx/w [T, k]): evict, read the misses, then
         yield the group's keys, whose blocks `weights(key)` returns. After the last group the
         layer's prefetch runs (the consumer must exhaust the generator)."""
-        if self.recorder is not None:
-            self.recorder.record(layer, idx_np, w_np)
+        for o in self.observers:
+            o.record(layer, idx_np, w_np)
         for group in self.driver.layer(layer, idx_np, w_np):
             if self.driver.kind == "prefill":
                 self.prefill_keys.update(group.keys)
@@ -217,8 +221,8 @@ class ExpertCache:
     def lookahead(self, keys: list[Key]) -> None:
         """Live prefetch of given keys (next-layer router lookahead), through the same budget;
         a route trace records the keys, so replay issues the same prefetch at the same point."""
-        if self.recorder is not None:
-            self.recorder.lookahead(keys)
+        for o in self.observers:
+            o.lookahead(keys)
         self._run_prefetch(self.driver.lookahead(keys))
 
     def prefill_needed_bytes(self) -> int:

@@ -31,6 +31,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from mawforge.cache.core import HEAT_FIELDS
+from mawforge.cache.observer import CacheObserver
 from mawforge.serve import protocol as P
 from mawforge.telemetry import peak_rss_bytes, rss_bytes
 from mawforge.trace.record import TraceRecorder
@@ -53,14 +54,13 @@ REQUEST_FIELDS = ("prompt_tokens", "completion_tokens", "ttft_s", "decode_tok_s"
                   "finish_reason", "total_s")
 
 
-class RequestTraces:
-    """Installed as the expert cache's recorder: forwards every call to the recorder it wraps
-    (`--trace-out`, or None) and keeps the running request's routing, so any of the last
+class RequestTraces(CacheObserver):
+    """Observes the expert cache and keeps the running request's routing, so any of the last
     requests can be replayed against Belady on demand. The engine thread only appends copies
     of the small routing arrays; the Trace is built when a replay asks for it."""
 
-    def __init__(self, rt, inner=None):
-        self.rt, self.inner = rt, inner
+    def __init__(self, rt):
+        self.rt = rt
         self.steps: list[tuple[str, int]] | None = None          # None: not recording
         self.records: list = []                                   # (step, layer, experts, weights)
         self.rows = 0
@@ -75,19 +75,12 @@ class RequestTraces:
         return (steps, self.records) if steps and self.records else None
 
     def begin_step(self, kind: str, n_tokens: int, prefetch: bool = True) -> None:
-        if self.inner is not None:
-            self.inner.begin_step(kind, n_tokens, prefetch=prefetch)
         if self.steps is not None:
             self.steps.append((kind, n_tokens))
 
-    def lookahead(self, keys) -> None:
-        """Passed on; the what-if replays compare policies on routing alone, as `mawforge replay` does."""
-        if self.inner is not None:
-            self.inner.lookahead(keys)
-
     def record(self, layer: int, idx, w) -> None:
-        if self.inner is not None:
-            self.inner.record(layer, idx, w)
+        # lookaheads are not kept: the what-if replays compare policies on routing alone, as
+        # `mawforge replay` does
         if self.steps is not None:
             self.rows += len(idx)
             if self.rows > MAX_TRACE_ROWS:
@@ -167,16 +160,15 @@ class Board:
 
     # ---- the engine side ------------------------------------------------------------------
     def attach(self) -> None:
-        """At app start: per-block counts on, this board's recorder in front of the cache's
-        (`--trace-out` keeps recording through it). Apps built one after another on one
+        """At app start: per-block counts on, this board's request traces among the cache's
+        observers (beside `--trace-out`'s recorder). Apps built one after another on one
         runtime, as in the tests, each attach and detach in turn."""
         self.core.track_heat(self.rt.cfg.n_layers, self.n_experts)
-        self.traces.inner = self.rt.cache.recorder
-        self.rt.cache.recorder = self.traces
+        self.rt.cache.observers.append(self.traces)
 
     def detach(self) -> None:
-        if self.rt.cache.recorder is self.traces:
-            self.rt.cache.recorder = self.traces.inner
+        if self.traces in self.rt.cache.observers:
+            self.rt.cache.observers.remove(self.traces)
 
     def wrap(self, generate_fn):
         """The worker's generate, with the request's trace recorded and its telemetry kept."""

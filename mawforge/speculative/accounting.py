@@ -4,7 +4,7 @@ A verify step runs [last] + k drafts through the expert cache in one batch, so e
 touches the *union* of several tokens' experts, including those of drafts that are then
 rejected. Three pieces measure what that costs:
 
-- `RouteTap` sits on the expert cache's recorder hook and keeps the step's routing per layer;
+- `RouteTap` observes the expert cache and keeps the step's routing per layer;
 - `Counterfactual` replays, through a copy of the live cache core and the same policy code,
   only the positions plain decoding would have run (one token per step), so
   live minus counterfactual is the extra materialization speculation caused, per step;
@@ -20,6 +20,7 @@ import copy
 import numpy as np
 
 from mawforge.cache.core import RouteDriver
+from mawforge.cache.observer import CacheObserver
 from mawforge.engine.online import OnlineChooser
 
 COUNTERS = ("hits", "misses", "evictions", "materialized_bytes", "prefetch_issued_bytes")
@@ -34,29 +35,17 @@ def delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in COUNTERS}
 
 
-class RouteTap:
-    """A recorder that keeps the routing of the steps since `clear()` and forwards every call
-    to the recorder it wraps (a route-trace recorder, or None)."""
+class RouteTap(CacheObserver):
+    """Keeps the routing of the steps since `clear()` (an observer of the expert cache)."""
 
-    def __init__(self, inner=None) -> None:
-        self.inner = inner
+    def __init__(self) -> None:
         self.rows: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
 
     def clear(self) -> None:
         self.rows = {}
 
-    def begin_step(self, kind: str, n_tokens: int, prefetch: bool = True) -> None:
-        if self.inner is not None:
-            self.inner.begin_step(kind, n_tokens, prefetch=prefetch)
-
-    def lookahead(self, keys) -> None:
-        if self.inner is not None:
-            self.inner.lookahead(keys)
-
     def record(self, layer: int, idx: np.ndarray, w: np.ndarray) -> None:
         self.rows.setdefault(layer, []).append((idx.copy(), w.copy()))     # [T, k] each
-        if self.inner is not None:
-            self.inner.record(layer, idx, w)
 
     def routing(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         """layer -> (experts [T, k], weights [T, k]) over every chunk since clear()."""

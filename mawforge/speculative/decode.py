@@ -107,8 +107,8 @@ class SpecDecoder(PlainDecoder):
         super().__init__(rt, sampler)
         self.drafter, self.opts, self.mode = drafter, opts, mode
         self.auto = AutoController(opts.window, opts.probe_every) if mode == "auto" else None
-        self.tap = RouteTap(rt.cache.recorder)
-        rt.cache.recorder = self.tap
+        self.tap = RouteTap()
+        rt.cache.observers.append(self.tap)
         self.shadow = Counterfactual(rt.cache)
         self.pending: tuple | None = None       # routing, kept rows, live delta, step record (or None)
         self.steps: list[dict] = []
@@ -215,8 +215,8 @@ class SpecDecoder(PlainDecoder):
         return out
 
     def close(self) -> None:
-        if self.rt.cache.recorder is self.tap:
-            self.rt.cache.recorder = self.tap.inner
+        if self.tap in self.rt.cache.observers:
+            self.rt.cache.observers.remove(self.tap)
 
 
 class Speculator:

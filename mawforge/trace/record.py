@@ -17,6 +17,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from mawforge.cache.observer import CacheObserver
 from mawforge.errors import FormatError
 
 SCHEMA = "mawforge.trace"
@@ -246,7 +247,7 @@ def _block_table(block_bytes, n_layers: int, n_experts: int) -> np.ndarray:
     return table
 
 
-class TraceRecorder:
+class TraceRecorder(CacheObserver):
     """Collects routing as the runtime runs. Pass the same arrays to the RouteDriver."""
 
     def __init__(self, *, n_layers: int, n_experts: int, top_k: int,
