@@ -1,5 +1,5 @@
 """POST /v1/responses through the whole server: the official openai client (responses.create,
-create(stream=True), responses.stream) against the tiny qwen3_moe fixture on a free port. Every
+create(stream=True), responses.stream) against the shipped demo model on a free port. Every
 response and every stream event is also validated with the openai package's own pydantic types
 (Response, ResponseStreamEvent), and the events' order is checked against OpenAI's. Tool calls
 and reasoning use Qwen3's real chat template (the llama-cpp-python sdist's copy) and the testing
@@ -14,10 +14,10 @@ import pytest
 import torch
 from openai.types.responses import Response, ResponseStreamEvent
 
+from mawforge.demo import demo_gguf
 from mawforge.engine.generate import generate
 from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.engine.sampling import SamplingParams
-from mawforge.fixtures.build import build_fixtures
 from mawforge.pack.packer import pack
 from mawforge.serve.app import ServerThread, build_app
 from mawforge.serve.protocol import ApiError
@@ -47,8 +47,7 @@ STREAM = re.compile(r"CP((Aat*Td)D|(Aar*Rd)(sutS)?D|(Af+F)D)*[ZIX]")
 @pytest.fixture(scope="module")
 def rt(tmp_path_factory):
     root = tmp_path_factory.mktemp("responses")
-    built = build_fixtures(root / "fx", archs=("qwen3_moe",), ftypes=("Q8_0",))
-    pack(built["qwen3_moe"]["gguf"]["Q8_0"], root / "pack", progress=False)
+    pack(demo_gguf("Q8_0"), root / "pack", progress=False)
     threads = torch.get_num_threads()
     runtime = Runtime(root / "pack", RuntimeOptions(context=CONTEXT, memory_budget_gib=2.0, expert_cache_percent=50,
                                                     threads=1))
@@ -58,9 +57,9 @@ def rt(tmp_path_factory):
 
 
 class Served:
-    def __init__(self, rt, **kw):
-        self.thread = ServerThread(build_app(rt, MODEL, max_tokens_default=8, allow_forced_output=True,
-                                             dashboard=False, **kw))
+    def __init__(self, rt, max_tokens_default=8, **kw):
+        self.thread = ServerThread(build_app(rt, MODEL, max_tokens_default=max_tokens_default,
+                                             allow_forced_output=True, dashboard=False, **kw))
 
     def __enter__(self):
         self.thread.__enter__()
@@ -142,7 +141,7 @@ def qwen(rt):
         source = (template_dir() / "Qwen-Qwen3-0.6B.jinja").read_text()
     except SdistMissing as e:
         pytest.skip(f"llama-cpp-python sdist not available: {e}")
-    with Served(rt, chat_template=source) as s:
+    with Served(rt, max_tokens_default=200, chat_template=source) as s:
         yield s
 
 
@@ -193,7 +192,7 @@ def test_stream_helper_and_forced_answer_complete(plain):
 
 def test_instructions_and_previous_response_id_render_the_whole_conversation(plain):
     c = plain.client
-    kw = dict(model=MODEL, temperature=0, max_output_tokens=4)
+    kw = {"model": MODEL, "temperature": 0, "max_output_tokens": 4}
     r1 = c.responses.create(input="Hi", instructions="Be brief.", **kw)
     chat1 = c.chat.completions.create(model=MODEL, temperature=0, max_tokens=4, messages=[
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
@@ -312,7 +311,7 @@ def test_store_is_a_bounded_lru():
     s.put("c", {"id": "c"}, [])
     assert s.get("b") is None and s.get("a") is not None and s.get("c") is not None
     assert not s.put("big", {"id": "big"}, ["x" * 20_000]) and s.get("big") is None
-    s.put("d", {"id": "d"}, ["y" * 9_900])                    # fits alone: the others go
+    s.put("d", {"id": "d"}, ["y" * 9_975])                    # fits alone (~9,997 bytes): the others go
     assert s.get("d") is not None and s.get("a") is None and s.get("c") is None
     assert s.bytes <= s.max_bytes and s.delete("d") and not s.delete("d") and s.bytes == 0
 

@@ -185,7 +185,7 @@ class ResponsesApi:
         except ClientDisconnect:
             ledger.record(rid, ENDPOINT, 499, error="client disconnected while sending the body")
             return JSONResponse(P.ApiError(499, "client disconnected").body(), status_code=499)
-        except Exception as e:               # a bug: still an OpenAI-schema answer, logged and counted
+        except Exception as e:  # noqa: BLE001 - a bug: still an OpenAI-schema answer, logged and counted
             msg = f"internal error: {type(e).__name__}: {e}"[:500]
             ledger.record(rid, ENDPOINT, 500, error=msg)
             return JSONResponse(P.ApiError(500, msg, type="server_error").body(), status_code=500)

@@ -152,8 +152,9 @@ def to_messages(instructions: str | None, items: list[dict], first: int = 0) -> 
 
     for i, it in enumerate(items):
         kind = it.get("type", "message")
-        if kind == "reasoning":
-            reasoning = (reasoning or "") + _reasoning_text(it, "input")
+        if kind == "reasoning":             # an empty one (encrypted_content only) adds nothing
+            text = _reasoning_text(it, "input")
+            reasoning = (reasoning or "") + text if text else reasoning
         elif kind == "message" and _ROLES[it["role"]] == "assistant":
             assistant(_parts_text(it["content"], "input"))
         elif kind == "message":
