@@ -41,7 +41,7 @@ LETTERS = {"response.created": "C", "response.in_progress": "P", "response.outpu
            "response.content_part.done": "d", "response.function_call_arguments.delta": "f",
            "response.function_call_arguments.done": "F", "response.output_item.done": "D",
            "response.completed": "Z", "response.incomplete": "I", "response.failed": "X"}
-STREAM = re.compile(r"CP((Aat*Td)D|(Aar*Rd)(sutS)?D|(Af+F)D)*[ZIX]")
+STREAM = re.compile(r"CP((Aat*Td)D|(Aar*Rd)(suUS)?D|(Af+F)D)*[ZIX]")
 
 
 @pytest.fixture(scope="module")
@@ -264,6 +264,26 @@ def test_streamed_tool_call_and_reasoning_events(qwen):
         args = "".join(e.delta for e in s if e.type == "response.function_call_arguments.delta")
         done = s.get_final_response()
     assert json.loads(args) == {"city": "Paris"} and done.output[-1].arguments == args
+
+
+def test_streamed_reasoning_with_summary_then_answer(qwen):
+    events = qwen.events(input="2+2?", forced_output="<think>\nTwo and two.\n</think>\n\nFour.",
+                         reasoning={"summary": "detailed"})
+    final = events[-1]["response"]
+    assert [o["type"] for o in final["output"]] == ["reasoning", "message"] and final["status"] == "completed"
+    assert final["output"][0]["summary"] == [{"type": "summary_text", "text": "Two and two."}]
+    assert [e["text"] for e in events if e["type"] == "response.reasoning_summary_text.done"] == ["Two and two."]
+    assert output_text(final) == "Four." and final["reasoning"]["summary"] == "detailed"
+
+
+def test_reasoning_effort_none_turns_thinking_off_as_chat_does(qwen):
+    ask = [{"role": "user", "content": "2+2?"}]
+    off = qwen.create(input=ask, reasoning={"effort": "none"}, forced_output="Four.")
+    on = qwen.create(input=ask, forced_output="Four.")
+    chat = qwen.client.chat.completions.create(model=MODEL, messages=ask, reasoning_effort="none",
+                                               extra_body={"forced_output": "Four."})
+    assert off["usage"]["input_tokens"] == chat.usage.prompt_tokens != on["usage"]["input_tokens"]
+    assert off["reasoning"]["effort"] == "none" and output_text(off) == "Four."
 
 
 def test_text_format_maps_to_the_chat_response_format_shape(plain):

@@ -148,7 +148,7 @@ class ResponsesApi:
         req = P.parse_request("chat", chat, api.model_id, api.max_tokens_default)
         try:
             turn = api.front.prepare(parse_chat_options(chat, req.messages))
-            ids = api._prompt_ids(req, turn)
+            ids = limits.encode_bounded(rt.tokenizer.encode, turn.prompt, rt.opts.context)
             validate(rt, ids, req.params)
         except P.ApiError as e:              # the conversation is `input` here, not `messages`
             if e.param in ("messages", None) and e.code in (None, "chat_template_error", "context_length_exceeded"):
