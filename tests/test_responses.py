@@ -4,6 +4,7 @@ response and every stream event is also validated with the openai package's own 
 (Response, ResponseStreamEvent), and the events' order is checked against OpenAI's. Tool calls
 and reasoning use Qwen3's real chat template (the llama-cpp-python sdist's copy) and the testing
 hook forced_output; prompts are compared with the chat endpoint's for the same conversation."""
+import argparse
 import json
 import re
 from typing import get_args
@@ -18,10 +19,11 @@ from mawforge.demo import demo_gguf
 from mawforge.engine.generate import generate
 from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.engine.sampling import SamplingParams
+from mawforge.errors import MawError
 from mawforge.pack.packer import pack
-from mawforge.serve.app import ServerThread, build_app
+from mawforge.serve.app import ServerThread, add_arguments, build_app
 from mawforge.serve.protocol import ApiError
-from mawforge.serve.responses import ResponseStore
+from mawforge.serve.responses import ResponseStore, store_from_args
 from mawforge.serve.respreq import text_format
 
 MODEL, CONTEXT = "tiny-responses", 2048
@@ -334,6 +336,15 @@ def test_store_is_a_bounded_lru():
     s.put("d", {"id": "d"}, ["y" * 9_975])                    # fits alone (~9,997 bytes): the others go
     assert s.get("d") is not None and s.get("a") is None and s.get("c") is None
     assert s.bytes <= s.max_bytes and s.delete("d") and not s.delete("d") and s.bytes == 0
+
+
+def test_store_flags_size_it():
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    store = store_from_args(p.parse_args(["--pack", "x", "--responses-store-count", "3", "--responses-store-mb", "0.5"]))
+    assert (store.max_entries, store.max_bytes) == (3, 1 << 19)
+    with pytest.raises(MawError):
+        store_from_args(p.parse_args(["--pack", "x", "--responses-store-count", "-1"]))
 
 
 @pytest.mark.parametrize("change,status,param,code", [
