@@ -91,6 +91,7 @@ class Prepared:
     turn: Turn
     chat: dict
     conversation: list           # the stored history plus this turn's input items
+    failure: Failure | None = None   # the engine's, when the answer ended in response.failed
 
 
 def _sse(ev: dict) -> str:
@@ -203,9 +204,9 @@ class ResponsesApi:
                                          headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
             async for _ in self._events(pr, job, out, first):
                 pass
-            if out.response["status"] == "failed":
-                e = out.response["error"]
-                return JSONResponse(P.ApiError(500, e["message"], type="server_error").body(), status_code=500)
+            f = pr.failure
+            if f is not None:                         # not streamed: the engine's status, as the chat endpoint
+                return JSONResponse(P.ApiError(f.status, f.message, f.type, code=f.code).body(), status_code=f.status)
             return JSONResponse(out.response, headers={"X-Request-Id": rid})
         finally:
             watcher.cancel()
@@ -218,7 +219,7 @@ class ResponsesApi:
             yield e
         while True:
             if isinstance(ev, Failure):
-                events = out.finish("failed", None, ev.message)
+                pr.failure, events = ev, out.finish("failed", None, ev.message)
                 break
             for e in out.feed(ev.text):
                 yield e

@@ -32,6 +32,7 @@ _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "develop
 _TEXT_PARTS = ("input_text", "output_text")
 _NAME = re.compile(r"[A-Za-z0-9_\-]{1,64}")
 SUMMARIES = ("auto", "concise", "detailed")
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")     # OpenAI's ReasoningEffort
 
 
 @dataclass(frozen=True)
@@ -232,8 +233,8 @@ def _reasoning(v) -> tuple[str | None, str | None]:
     if not isinstance(v, dict):
         raise _bad("reasoning must be an object", "reasoning")
     effort, summary = v.get("effort"), v.get("summary", v.get("generate_summary"))
-    if effort is not None and not isinstance(effort, str):
-        raise _bad("reasoning.effort must be a string", "reasoning.effort")
+    if effort is not None and effort not in EFFORTS:
+        raise _bad(f"reasoning.effort must be one of {', '.join(EFFORTS)}", "reasoning.effort")
     if summary is not None and summary not in SUMMARIES:
         raise _bad(f"reasoning.summary must be one of {', '.join(SUMMARIES)}", "reasoning.summary")
     return effort, summary
@@ -257,24 +258,26 @@ def _flag(body: dict, key: str, default: bool) -> bool:
     return v
 
 
+def _string(body: dict, key: str) -> str | None:
+    v = body.get(key)
+    if v is not None and not isinstance(v, str):
+        raise _bad(f"{key} must be a string", key)
+    return v
+
+
 def parse_responses(body: dict, context: int) -> ResponsesRequest:
     """Validate a create body and translate it (raises ApiError naming the field)."""
     unknown = sorted(k for k in body if k not in KNOWN_FIELDS)
     if unknown:
         raise ApiError(400, f"Unrecognized request argument supplied: {', '.join(unknown)[:200]}",
                        param=unknown[0][:100], code="unknown_parameter")
-    if "model" in body and not isinstance(body["model"], str):
+    if "model" in body and not isinstance(body["model"], str):         # null too, as OpenAI answers
         raise _bad("model must be a string", "model")
     _refuse_unsupported(body)
     if "input" not in body:
         raise _bad("input is required", "input")
     items = input_items(body["input"])
-    instructions = body.get("instructions")
-    if instructions is not None and not isinstance(instructions, str):
-        raise _bad("instructions must be a string", "instructions")
-    prev = body.get("previous_response_id")
-    if prev is not None and not isinstance(prev, str):
-        raise _bad("previous_response_id must be a string", "previous_response_id")
+    instructions, prev = _string(body, "instructions"), _string(body, "previous_response_id")
     text = body.get("text") or {}
     if not isinstance(text, dict):
         raise _bad("text must be an object", "text")
@@ -292,7 +295,7 @@ def parse_responses(body: dict, context: int) -> ResponsesRequest:
     if text.get("verbosity") not in (None, "low", "medium", "high"):
         raise _bad("text.verbosity must be low, medium or high", "text.verbosity")
     echo = {"instructions": instructions, "max_output_tokens": mot, "previous_response_id": prev,
-            "metadata": _metadata(body.get("metadata")), "user": body.get("user"),
+            "metadata": _metadata(body.get("metadata")), "user": _string(body, "user"),
             "tools": [{"type": "function", "name": t["function"]["name"],
                        "description": t["function"].get("description"), "parameters": t["function"].get("parameters"),
                        "strict": t["function"].get("strict")} for t in chat.get("tools") or ()],
