@@ -31,7 +31,8 @@ MODEL, CONTEXT = "tiny-responses", 2048
 EVENTS = {t.model_fields["type"].annotation.__args__[0]: t for t in get_args(get_args(ResponseStreamEvent)[0])}
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-CALL = '<think>\nUser wants weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CALL = ('<think>\nUser wants weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+        '\n</tool_call>')
 ASK = "Weather in Paris?"
 
 # OpenAI's event order: one letter per event type, the whole stream must match STREAM
@@ -295,7 +296,8 @@ def test_text_format_maps_to_the_chat_response_format_shape(plain):
     assert text_format({"type": "json_schema", "name": "pt", "schema": schema, "strict": True}) == {
         "type": "json_schema", "json_schema": {"name": "pt", "schema": schema, "strict": True}}
     assert text_format({"type": "json_schema", "name": "pt", "schema": schema})["json_schema"]["strict"] is False
-    for bad, param in [({"type": "xml"}, "text.format"), ({"type": "json_schema", "schema": schema}, "text.format.name"),
+    for bad, param in [({"type": "xml"}, "text.format"),
+                       ({"type": "json_schema", "schema": schema}, "text.format.name"),
                        ({"type": "json_schema", "name": "pt", "schema": []}, "text.format.schema")]:
         with pytest.raises(ApiError) as e:
             text_format(bad)
@@ -341,7 +343,8 @@ def test_store_is_a_bounded_lru():
 def test_store_flags_size_it():
     p = argparse.ArgumentParser()
     add_arguments(p)
-    store = store_from_args(p.parse_args(["--pack", "x", "--responses-store-count", "3", "--responses-store-mb", "0.5"]))
+    store = store_from_args(p.parse_args(["--pack", "x", "--responses-store-count", "3",
+                                          "--responses-store-mb", "0.5"]))
     assert (store.max_entries, store.max_bytes) == (3, 1 << 19)
     with pytest.raises(MawError):
         store_from_args(p.parse_args(["--pack", "x", "--responses-store-count", "-1"]))
