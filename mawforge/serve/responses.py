@@ -94,6 +94,12 @@ class Prepared:
     failure: Failure | None = None   # the engine's, when the answer ended in response.failed
 
 
+def _error(e: P.ApiError | Failure) -> JSONResponse:
+    if isinstance(e, Failure):
+        e = P.ApiError(e.status, e.message, e.type, code=e.code)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
 def _sse(ev: dict) -> str:
     return f"event: {ev['type']}\ndata: {json.dumps(ev, separators=(',', ':'))}\n\n"
 
@@ -182,31 +188,29 @@ class ResponsesApi:
             pr, job = await self._admit(rid, request)
         except P.ApiError as e:
             ledger.record(rid, ENDPOINT, e.status, error=e.message)
-            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+            return _error(e)
         except ClientDisconnect:
             ledger.record(rid, ENDPOINT, 499, error="client disconnected while sending the body")
-            return JSONResponse(P.ApiError(499, "client disconnected").body(), status_code=499)
+            return _error(P.ApiError(499, "client disconnected"))
         except Exception as e:  # noqa: BLE001 - a bug: still an OpenAI-schema answer, logged and counted
             msg = f"internal error: {type(e).__name__}: {e}"[:500]
             ledger.record(rid, ENDPOINT, 500, error=msg)
-            return JSONResponse(P.ApiError(500, msg, type="server_error").body(), status_code=500)
+            return _error(P.ApiError(500, msg, type="server_error"))
         out = Output(rid, base_response(rid, self.api.model_id, pr.rr.echo), pr.turn.parser, pr.rr.summary)
         watcher = asyncio.ensure_future(_watch_disconnect(request, job))
         streaming = False
         try:
             first = await job.channel.__anext__()     # wait in the queue; a Failure here is a real status
             if isinstance(first, Failure):
-                return JSONResponse(P.ApiError(first.status, first.message, first.type, code=first.code).body(),
-                                    status_code=first.status)
+                return _error(first)
             if pr.rr.stream:
                 streaming = True
                 return StreamingResponse(self._stream(pr, job, out, first), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
             async for _ in self._events(pr, job, out, first):
                 pass
-            f = pr.failure
-            if f is not None:                         # not streamed: the engine's status, as the chat endpoint
-                return JSONResponse(P.ApiError(f.status, f.message, f.type, code=f.code).body(), status_code=f.status)
+            if pr.failure is not None:                # not streamed: the engine's status, as the chat endpoint
+                return _error(pr.failure)
             return JSONResponse(out.response, headers={"X-Request-Id": rid})
         finally:
             watcher.cancel()
