@@ -14,6 +14,7 @@ import openai
 import pytest
 import torch
 from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from mawforge.demo import demo_gguf
 from mawforge.engine.generate import generate
@@ -27,7 +28,8 @@ from mawforge.serve.responses import ResponseStore, store_from_args
 from mawforge.serve.respreq import text_format
 
 MODEL, CONTEXT = "tiny-responses", 2048
-# one model per event type, so a failure names the fields of that type only
+EVENT = TypeAdapter(ResponseStreamEvent)
+# the union's model per event type: validated first, so a failure names the fields of that type only
 EVENTS = {t.model_fields["type"].annotation.__args__[0]: t for t in get_args(get_args(ResponseStreamEvent)[0])}
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -96,6 +98,7 @@ class Served:
                     data = json.loads(line[6:])
                     assert data["type"] == name
                     EVENTS[data["type"]].model_validate(data)
+                    assert type(EVENT.validate_python(data)) is EVENTS[data["type"]]
                     out.append(data)
         check_stream(out)
         return out
