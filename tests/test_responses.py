@@ -20,7 +20,7 @@ from mawforge.demo import demo_gguf
 from mawforge.engine.generate import generate
 from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.engine.sampling import SamplingParams
-from mawforge.errors import MawError
+from mawforge.errors import MawError, RequestError
 from mawforge.pack.packer import pack
 from mawforge.serve.app import ServerThread, add_arguments, build_app
 from mawforge.serve.protocol import ApiError
@@ -310,14 +310,16 @@ def test_text_format_maps_to_the_chat_response_format_shape(plain):
     assert r["text"]["format"] == fmt and output_text(r) == '{"a": 1}'
 
 
-def test_an_engine_failure_mid_stream_is_response_failed(rt):
+@pytest.mark.parametrize("error,status,code", [(RuntimeError("boom"), 500, "server_error"),
+                                               (RequestError("boom: the request's own fault"), 400, "invalid_prompt")])
+def test_an_engine_failure_mid_stream_is_response_failed(rt, error, status, code):
     ids = rt.tokenizer.encode(rt.tokenizer.chat.render([{"role": "user", "content": "Hi"}], add_generation_prompt=True))
     first_two = "".join(ev.text for ev in list(generate(rt, ids, SamplingParams(max_tokens=2))))
 
     def failing(rt_, ids, params, **kw):
         for i, ev in enumerate(generate(rt_, ids, params, **kw)):
             if i == 2:
-                raise RuntimeError("boom")
+                raise error
             yield ev
     with Served(rt, generate_fn=failing) as s:
         events = s.events(input="Hi", max_output_tokens=6, temperature=0)
@@ -325,9 +327,9 @@ def test_an_engine_failure_mid_stream_is_response_failed(rt):
         assert httpx.get(s.url + "/health").json()["status"] == "ok"
     final = events[-1]["response"]
     assert events[-1]["type"] == "response.failed" and final["status"] == "failed"
-    assert final["error"]["code"] == "server_error" and "boom" in final["error"]["message"]
+    assert final["error"]["code"] == code and "boom" in final["error"]["message"]
     assert output_text(final) == first_two                        # what was streamed is kept
-    assert whole.status_code == 500 and "boom" in whole.json()["error"]["message"]
+    assert whole.status_code == status and "boom" in whole.json()["error"]["message"]
 
 
 def test_store_is_a_bounded_lru():

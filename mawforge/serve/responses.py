@@ -223,7 +223,8 @@ class ResponsesApi:
             yield e
         while True:
             if isinstance(ev, Failure):
-                pr.failure, events = ev, out.finish("failed", None, ev.message)
+                code = "server_error" if ev.status >= 500 else "invalid_prompt"   # e.g. a grammar's dead end
+                pr.failure, events = ev, out.finish("failed", None, ev.message, code)
                 break
             for e in out.feed(ev.text):
                 yield e

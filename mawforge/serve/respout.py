@@ -69,8 +69,9 @@ class Output:
             self.reasoning_tokens += 1
         return self._pieces(pieces)
 
-    def finish(self, reason: str, telemetry, error: str | None = None) -> list[dict]:
-        """reason: the engine's finish_reason (stop, length, cancelled) or "failed" with `error`."""
+    def finish(self, reason: str, telemetry, error: str | None = None, code: str = "server_error") -> list[dict]:
+        """reason: the engine's finish_reason (stop, length, cancelled) or "failed" with `error`
+        and its ResponseError code (server_error, or invalid_prompt for a request's own fault)."""
         events = self._pieces(self.parser.finish())          # held text is output too, even on failure
         if reason != "failed" and not self.items and self.open is None:
             events += self._open_message()                  # an empty answer is still a message
@@ -84,7 +85,7 @@ class Output:
         if status == "incomplete":
             r["incomplete_details"] = {"reason": "max_output_tokens"}
         if status in ("failed", "cancelled"):
-            r["error"] = {"code": "server_error", "message": error or "the request was cancelled"}
+            r["error"] = {"code": code, "message": error or "the request was cancelled"}
         if telemetry is not None:
             r["usage"] = usage(telemetry.prompt_tokens, telemetry.completion_tokens, self.reasoning_tokens)
             r["telemetry"] = telemetry.to_dict()
