@@ -2,6 +2,7 @@
 
     GET  /health  /metrics  /v1/models  /v1/models/{id}
     POST /v1/chat/completions  /v1/completions          (stream true/false)
+    POST /v1/responses  GET|DELETE /v1/responses/{id}   (serve/responses.py)
     GET  /  and /dashboard/...                           the live dashboard (serve/dashboard.py)
 Every answer carries `usage` and `telemetry` (docs/telemetry.md); every request appends one
 line to --telemetry-log. One engine thread serves a bounded FIFO queue (429 when full).
@@ -40,6 +41,7 @@ from mawforge.serve.chatreq import (ChatDefaults, ChatFront, Turn, finish_reason
 from mawforge.serve.servecli import add_chat_arguments, chat_settings
 from mawforge.serve.dashboard import Board
 from mawforge.serve.metrics import Metrics
+from mawforge.serve.responses import ResponsesApi, ResponseStore, add_responses_arguments, store_from_args
 from mawforge.serve.worker import Channel, EngineWorker, Failure, Job, Ledger, QueueFull, ShuttingDown
 from mawforge.telemetry import peak_rss_bytes, rss_bytes
 
@@ -266,7 +268,8 @@ def build_app(rt, model_id: str, *, api_key: str | None = None, max_tokens_defau
               queue_size: int = 64, telemetry_log: str | None = None, generate_fn=None,
               close_timeout_s: float | None = 60.0, speculator=None, chat_template: str | None = None,
               chat_defaults: ChatDefaults | None = None, allow_forced_output: bool = False,
-              dashboard: bool = True, max_body_bytes: int = limits.MAX_BODY_BYTES) -> Starlette:
+              dashboard: bool = True, max_body_bytes: int = limits.MAX_BODY_BYTES,
+              responses_store: ResponseStore | None = None) -> Starlette:
     """The ASGI app. The engine thread starts with the app's lifespan and stops with it;
     the runtime stays the caller's to close. `generate_fn` replaces engine.generate (tests).
     `chat_template` replaces the pack's template (--chat-template-file); `allow_forced_output`
@@ -312,6 +315,7 @@ def build_app(rt, model_id: str, *, api_key: str | None = None, max_tokens_defau
               Route("/v1/models/{model:path}", api.model),
               Route("/v1/chat/completions", api.chat, methods=["POST"]),
               Route("/v1/completions", api.completions, methods=["POST"])]
+    routes += ResponsesApi(api, responses_store).routes()
     routes += board.routes() if board is not None else []
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={P.ApiError: api_error, HTTPException: http_error, Exception: crash})
@@ -413,6 +417,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, how long in-flight requests may run before they are cancelled")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     add_chat_arguments(p)
+    add_responses_arguments(p)
 
 
 def main(a: argparse.Namespace) -> int:
@@ -447,7 +452,8 @@ def main(a: argparse.Namespace) -> int:
         model_id = a.model_id or Path(a.pack).resolve().name
         app = build_app(rt, model_id, api_key=a.api_key, max_tokens_default=a.max_tokens_default,
                         queue_size=a.queue_size, telemetry_log=a.telemetry_log, speculator=spec,
-                        dashboard=a.dashboard, max_body_bytes=a.max_body_bytes, **chat)
+                        dashboard=a.dashboard, max_body_bytes=a.max_body_bytes,
+                        responses_store=store_from_args(a), **chat)
         announce = lambda url: print(f"mawforge serve: listening on {url} (model {model_id!r}, context "
                                      f"{opts.context}, queue {a.queue_size})"
                                      + (f"; dashboard at {url}/" if a.dashboard else ""), file=sys.stderr, flush=True)
