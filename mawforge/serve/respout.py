@@ -16,7 +16,7 @@ from __future__ import annotations
 import secrets
 import time
 
-from mawforge.serve.outparse import OutputParser, ToolCall, argument_chunks
+from mawforge.text.outparse import OutputParser, ToolCall, argument_chunks
 
 TERMINAL = {"completed": "response.completed", "incomplete": "response.incomplete",
             "failed": "response.failed", "cancelled": "response.failed"}
