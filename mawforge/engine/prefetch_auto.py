@@ -5,10 +5,9 @@ useful block's eviction) when it guesses wrong; which wins depends on the model,
 the routing, so the runtime measures it. When it is on, the prefetch is router lookahead: layer
 l+2's router applied to layer l's FFN input, issued before layer l's experts run (LOOKAHEAD,
 engine/runtime.py). It goes through the cache's byte budget, and never evicts a block of the
-layers from l to the one it is for (RouteDriver.lookahead): it is dropped instead. (The
-next-token prefetcher `confidence:0.2`, the previous token's experts with weight >= 0.2, ran
-beside it until replays of full-size traces showed it changed no byte read: those experts are
-resident already. It is still there as `--prefetch confidence:0.2`.)
+layers from l to the one it is for (RouteDriver.lookahead): it is dropped instead. No
+next-token prefetcher runs beside it: the previous token's experts are resident already
+(`--prefetch confidence:0.2` still offers one).
 
 One-token decode steps alternate windows of prefetch on and off through the same OnlineChooser
 as the thread governor and `auto` speculation, timed by whole-step wall time (reads included:
@@ -39,10 +38,9 @@ class PrefetchGovernor:
 
     A phase change re-measures both states: when a window's expert reads per token (demand
     and prefetch, `read_bytes` of after_step) differ from the recent windows' by PHASE_FACTOR
-    or more, the next window runs the other state. Teacher-forced random tokens inside 8 GiB
-    read about 210 MB a token, greedy text after a prompt about 10: there prefetch has little
-    to hide and its router GEMVs cost more than it hides (8 GiB, full size, in one process:
-    7.4-8.0 tok/s off against 6.9-7.3 on), while the choice made on the first phase held."""
+    or more, the next window runs the other state: random tokens read some 20x more a token
+    than greedy text after a prompt, and where little is read the router GEMVs cost more than
+    prefetch hides, so a choice made in one phase need not hold in the next (RESULTS.md)."""
 
     PHASE_FACTOR = 4.0
     PHASE_FLOOR = 1 << 20        # reads below 1 MiB a token count as 1 MiB (no phase in noise)
