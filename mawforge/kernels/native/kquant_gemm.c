@@ -622,8 +622,8 @@ static uint8_t *scratch_for(size_t n) {
 }
 
 /* ---- prefill: many rows of x against one matrix, cache-blocked --------------------------- */
-/* Weight rows [n0, n1) against the M quantized rows xr[]: y = yr[m][n] (scale NULL) or
-   yr[m][n] += scale[m] * y. The rows go in panels of about PANEL_BYTES, which stay in L2 while
+/* Weight rows [n0, n1) against the M quantized rows xr[]: y = yr[m][n - y0] (scale NULL) or
+   yr[m][n - y0] += scale[m] * y. The rows go in panels of about PANEL_BYTES, which stay in L2 while
    each group of four rows of x (a few KiB, in L1) meets every row of the panel through the
    four-row kernel: each weight block is unpacked once for four tokens, and each x block is
    read from L1 for every row of the panel instead of from L2 or beyond (the x rows of a 512-token
@@ -632,7 +632,7 @@ static uint8_t *scratch_for(size_t n) {
    computation as the one-token, one-row kernel's (ggml's order), so blocking changes no bit. */
 #define PANEL_BYTES (64 * 1024)
 static void gemm_rows(dot_fn dot, dot4_fn dot4, dot2_fn dot2, const uint8_t *w, long rb, int nb, int n0, int n1,
-                      const qrow *xr, int M, float *const *yr, const float *scale) {
+                      const qrow *xr, int M, float *const *yr, int y0, const float *scale) {
     int pr = (int)(PANEL_BYTES / rb);
     pr = pr < 4 ? 4 : pr & ~1;
     const int m4 = dot4 ? M - M % 4 : 0;
@@ -642,8 +642,8 @@ static void gemm_rows(dot_fn dot, dot4_fn dot4, dot2_fn dot2, const uint8_t *w, 
             for (int n = p0; n < p1; n++) {
                 float o[4];
                 dot4(w + rb * n, nb, xr + m, o);
-                if (scale) for (int r = 0; r < 4; r++) yr[m + r][n] += scale[m + r] * o[r];
-                else for (int r = 0; r < 4; r++) yr[m + r][n] = o[r];
+                if (scale) for (int r = 0; r < 4; r++) yr[m + r][n - y0] += scale[m + r] * o[r];
+                else for (int r = 0; r < 4; r++) yr[m + r][n - y0] = o[r];
             }
         for (int m = m4; m < M; m++) {
             float *const y = yr[m];
@@ -652,12 +652,12 @@ static void gemm_rows(dot_fn dot, dot4_fn dot4, dot2_fn dot2, const uint8_t *w, 
                 for (; n + 2 <= p1; n += 2) {
                     float o[2];
                     dot2(w + rb * n, w + rb * (n + 1), nb, xr[m], o);
-                    if (scale) { y[n] += scale[m] * o[0]; y[n + 1] += scale[m] * o[1]; }
-                    else { y[n] = o[0]; y[n + 1] = o[1]; }
+                    if (scale) { y[n - y0] += scale[m] * o[0]; y[n + 1 - y0] += scale[m] * o[1]; }
+                    else { y[n - y0] = o[0]; y[n + 1 - y0] = o[1]; }
                 }
             for (; n < p1; n++) {
                 const float v = dot(w + rb * n, nb, xr[m]);
-                if (scale) y[n] += scale[m] * v; else y[n] = v;
+                if (scale) y[n - y0] += scale[m] * v; else y[n - y0] = v;
             }
         }
     }
@@ -686,7 +686,7 @@ int qgemm(int type, const float *x, int M, int K, const uint8_t *w, int N, float
         if (M > 1) {   /* prefill, verify: each thread a contiguous run of weight rows, blocked */
             const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
             gemm_rows(dot, dot4, dot2, w, rb, nb, (int)((long)N * tid / nth), (int)((long)N * (tid + 1) / nth),
-                      xr, M, yr, 0);
+                      xr, M, yr, 0, 0);
         } else {       /* decode: weight rows in pairs, each thread a contiguous run of pairs */
             const qrow x0 = qrow_at(buf, K);
             #pragma omp for schedule(static)
@@ -702,10 +702,12 @@ int qgemm(int type, const float *x, int M, int K, const uint8_t *w, int N, float
 
 /* moe_ffn for more than one token (prefill, verify), through gemm_rows: the gate and up rows of
    an expert in blocks of RB rows (one work item each, taken dynamically: experts differ in token
-   count) against the expert's tokens, then h = silu(g) * u; the down rows as in the one-token
-   path, each thread its own output features, expert after expert, blocked. Every float operation
-   is the one-token path's, so the results are the same bits. */
+   count) against the expert's tokens, PC at a time, then h = silu(g) * u; the down rows as in the
+   one-token path, each thread its own output features, expert after expert, blocked. Every float
+   operation is the one-token path's, so the results are the same bits. Scratch beyond the
+   one-token path's: PC * (RB floats + a row's pointers) a thread. */
 #define RB 64
+#define PC 64
 static int moe_ffn_tiled(const float *x, int M, int C, int F, int E,
                          const uint8_t *const *gate, const uint8_t *const *up, const uint8_t *const *down,
                          int tg, int tu, int td, const int *first, const int *tok, const float *wt, float *out) {
@@ -716,19 +718,19 @@ static int moe_ffn_tiled(const float *x, int M, int C, int F, int E,
     const int P = first[E], nth0 = team_size();
     const size_t qc = qrow_bytes(C), qf = qrow_bytes(F);
     const int two = act_kind(tg) != act_kind(tu);
-    const size_t per_thread = (sizeof(qrow) + sizeof(float *)) * (size_t)M;   /* one expert's x rows, out rows */
-    const size_t need = qc * M * (1 + two) + sizeof(float) * (size_t)P * F * 2 + qf * (size_t)P + per_thread * nth0;
+    const size_t per_thread = (sizeof(qrow) + sizeof(float *)) * PC + sizeof(float) * PC * RB;
+    const size_t need = qc * M * (1 + two) + sizeof(float) * (size_t)P * F + qf * (size_t)P + per_thread * nth0;
     uint8_t *buf = scratch_for(need);
     if (!buf) return -2;
     uint8_t *xg = buf, *xu = two ? buf + qc * M : buf;
-    float *h = (float *)(buf + qc * M * (1 + two)), *u = h + (size_t)P * F;
-    uint8_t *hq = (uint8_t *)(u + (size_t)P * F), *lists = hq + qf * (size_t)P;
+    float *h = (float *)(buf + qc * M * (1 + two));
+    uint8_t *hq = (uint8_t *)(h + (size_t)P * F), *lists = hq + qf * (size_t)P;
     const int nblk = (F + RB - 1) / RB;
     #pragma omp parallel num_threads(nth0)
     {
         const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
         qrow *xr = (qrow *)(lists + per_thread * tid);
-        float **yr = (float **)(xr + M);
+        float **yr = (float **)(xr + PC), *ub = (float *)(yr + PC);
         #pragma omp for schedule(static)
         for (int m = 0; m < M; m++) {
             quant_row(tg, x + (long)m * C, C, qrow_at(xg + qc * m, C));
@@ -737,27 +739,28 @@ static int moe_ffn_tiled(const float *x, int M, int C, int F, int E,
         #pragma omp for schedule(dynamic, 1)
         for (long i = 0; i < (long)E * nblk; i++) {
             const int e = (int)(i / nblk), n0 = (int)(i % nblk) * RB, n1 = n0 + RB < F ? n0 + RB : F;
-            const int p0 = first[e], np = first[e + 1] - p0;
-            if (!np) continue;
-            for (int k = 0; k < np; k++) { xr[k] = qrow_at(xg + qc * tok[p0 + k], C); yr[k] = h + (long)(p0 + k) * F; }
-            gemm_rows(dg, d4g, d2g, gate[e], rbg, nbg, n0, n1, xr, np, yr, 0);
-            for (int k = 0; k < np; k++) { xr[k] = qrow_at(xu + qc * tok[p0 + k], C); yr[k] = u + (long)(p0 + k) * F; }
-            gemm_rows(du, d4u, d2u, up[e], rbu, nbu, n0, n1, xr, np, yr, 0);
-            for (int k = 0; k < np; k++) {
-                float *hv = h + (long)(p0 + k) * F; const float *uv = u + (long)(p0 + k) * F;
-                for (int n = n0; n < n1; n++) hv[n] = hv[n] / (1.f + expf(-hv[n])) * uv[n];
+            for (int p0 = first[e]; p0 < first[e + 1]; p0 += PC) {
+                const int np = first[e + 1] - p0 < PC ? first[e + 1] - p0 : PC;
+                for (int k = 0; k < np; k++) { xr[k] = qrow_at(xg + qc * tok[p0 + k], C); yr[k] = h + (long)(p0 + k) * F; }
+                gemm_rows(dg, d4g, d2g, gate[e], rbg, nbg, n0, n1, xr, np, yr, 0, 0);
+                for (int k = 0; k < np; k++) { xr[k] = qrow_at(xu + qc * tok[p0 + k], C); yr[k] = ub + k * RB; }
+                gemm_rows(du, d4u, d2u, up[e], rbu, nbu, n0, n1, xr, np, yr, n0, 0);
+                for (int k = 0; k < np; k++) {
+                    float *hv = h + (long)(p0 + k) * F; const float *uv = ub + k * RB;
+                    for (int n = n0; n < n1; n++) hv[n] = hv[n] / (1.f + expf(-hv[n])) * uv[n - n0];
+                }
             }
         }
         #pragma omp for schedule(static)
         for (int p = 0; p < P; p++) quant_row(td, h + (long)p * F, F, qrow_at(hq + qf * p, F));
         /* each thread its own output features; every out element adds the experts in order */
         const int c0 = (int)((long)C * tid / nth), c1 = (int)((long)C * (tid + 1) / nth);
-        for (int e = 0; e < E; e++) {
-            const int p0 = first[e], np = first[e + 1] - p0;
-            if (!np) continue;
-            for (int k = 0; k < np; k++) { xr[k] = qrow_at(hq + qf * (p0 + k), F); yr[k] = out + (long)tok[p0 + k] * C; }
-            gemm_rows(dd, d4d, d2d, down[e], rbd, nbd, c0, c1, xr, np, yr, wt + p0);
-        }
+        for (int e = 0; e < E; e++)
+            for (int p0 = first[e]; p0 < first[e + 1]; p0 += PC) {
+                const int np = first[e + 1] - p0 < PC ? first[e + 1] - p0 : PC;
+                for (int k = 0; k < np; k++) { xr[k] = qrow_at(hq + qf * (p0 + k), F); yr[k] = out + (long)tok[p0 + k] * C; }
+                gemm_rows(dd, d4d, d2d, down[e], rbd, nbd, c0, c1, xr, np, yr, 0, wt + p0);
+            }
     }
     return 0;
 }
