@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from bounds import NATIVE_REORDER_ATOL_OF_MAX
-from helpers import needs_avx2, needs_cc
+from helpers import C_COMPILER, needs_avx2, needs_cc
 from mawforge.kernels import native
 from test_native import TYPES, _expert_set, _random_rows
 
@@ -117,3 +117,29 @@ def test_the_portable_build_blocks_prefill_to_the_same_bits(tmp_path):
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0 and "PORTABLE OK" in r.stdout, r.stderr[-3000:]
     assert native.simd()
+
+
+@needs_avx2
+def test_the_avx512_vnni_kernels_compute_the_avx2_lanes(tmp_path):
+    """The AVX-512 VNNI four-token kernels (built only on CPUs with AVX-512 BW + VNNI, so not on
+    an AVX2-only machine) compiled here with their six 512-bit operations emulated by definition
+    on AVX2 (tests/vnni_emu.h): every prefill result is the AVX2 build's, bit for bit. What this
+    cannot check is the CPU's own instructions; the tests above do that on a VNNI machine."""
+    import ctypes
+    here = os.path.dirname(os.path.abspath(__file__))
+    lib = tmp_path / "emu.so"
+    srcs = [str(s) for s in native.SOURCES]
+    r = subprocess.run([C_COMPILER, *native.BASE_FLAGS, "-march=native",
+                        f'-DMAWFORGE_VNNI_EMU="{here}/vnni_emu.h"', *srcs, "-o", str(lib), "-lm"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    emu = ctypes.CDLL(str(lib))
+    emu.qgemm.argtypes = dict(native._SIGNATURES)["qgemm"]
+    assert emu.vnni_path() == 1 and native.library().vnni_path() == 0
+    for qt in (T.Q4_K, T.Q5_K, T.Q6_K):
+        raw = _random_rows(qt, 61, 512, seed=2)
+        for m in TOKENS:
+            x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)) * 3
+            y = torch.empty(m, 61)
+            assert emu.qgemm(int(qt), x.data_ptr(), m, 512, raw.data_ptr(), 61, y.data_ptr()) == 0
+            assert torch.equal(y, native.gemm(x, raw, qt, 61, 512)), (qt, m)

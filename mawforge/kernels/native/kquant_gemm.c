@@ -353,6 +353,21 @@ static void dot2_q6k(const uint8_t *w0, const uint8_t *w1, int nb, qrow x, float
 }
 #define HAVE_DOT2 1
 
+/* AVX-512 BW + VNNI (compiled only where -march=native says the CPU has both; the library is
+   built per CPU): the four-token K-quant kernels put two 32-byte sub-blocks in one register and
+   fold maddubs' scale multiply and the add into one vpdpwssd. Each int32 lane of the two halves
+   holds exactly what the AVX2 code's madd lane holds, and the halves are added into the same
+   eight lanes before the float operations, so the results are the same bits. */
+#ifdef MAWFORGE_VNNI_EMU          /* tests: this code on AVX2, the 512-bit operations emulated */
+#include MAWFORGE_VNNI_EMU
+#define VNNI512 1
+#elif defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define VNNI512 1
+#else
+#define VNNI512 0
+#endif
+int vnni_path(void) { return VNNI512; }
+
 /* Four rows of x against one weight row: each block's scales are unpacked once and its values
    loaded once for all four. Per row, the same float operations in the same order as the one-row
    kernel, so the results are identical to four one-row calls. */
@@ -374,6 +389,9 @@ FORCE_INLINE void dot4_k45(const uint8_t *w, int nb, const qrow *x, float *out, 
             const __m128i s = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs), _mm_loadu_si128((const __m128i *)(bs + 8)));
             accm[r] = _mm_fmadd_ps(_mm_set1_ps(dmin * x[r].d[b]), _mm_cvtepi32_ps(_mm_madd_epi16(mn, s)), accm[r]);
         }
+#if VNNI512
+        __m512i sz[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+#endif
         for (int j = 0; j < 4; j++) {
             const __m256i q4 = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
             __m256i lo = _mm256_and_si256(q4, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
@@ -382,6 +400,15 @@ FORCE_INLINE void dot4_k45(const uint8_t *w, int nb, const qrow *x, float *out, 
                 hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * j + 1), 4), m16));
             }
             const __m256i sl = _mm256_shuffle_epi8(sc, pick16(2 * j)), sh = _mm256_shuffle_epi8(sc, pick16(2 * j + 1));
+#if VNNI512
+            /* sub-blocks 2j (low half) and 2j + 1 (high half) in one register: the 64 bytes of x
+               they meet are contiguous */
+            const __m512i wz = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            const __m512i scz = _mm512_inserti64x4(_mm512_castsi256_si512(sl), sh, 1);
+            for (int r = 0; r < 4; r++)
+                sz[r] = _mm512_dpwssd_epi32(sz[r], _mm512_maddubs_epi16(wz, _mm512_loadu_si512(x[r].q + b * QK + 64 * j)), scz);
+            continue;
+#endif
             for (int r = 0; r < 4; r++) {
                 const int8_t *q8 = x[r].q + b * QK + 64 * j;
                 const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)q8));
@@ -389,6 +416,9 @@ FORCE_INLINE void dot4_k45(const uint8_t *w, int nb, const qrow *x, float *out, 
                 sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(_mm256_madd_epi16(pl, sl), _mm256_madd_epi16(ph, sh)));
             }
         }
+#if VNNI512
+        for (int r = 0; r < 4; r++) sumi[r] = _mm256_add_epi32(_mm512_castsi512_si256(sz[r]), _mm512_extracti64x4_epi64(sz[r], 1));
+#endif
         for (int r = 0; r < 4; r++)
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[b]), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
     }
@@ -407,6 +437,9 @@ static void dot4_q6k(const uint8_t *w, int nb, const qrow *x, float *out) {
         for (int r = 0; r < 4; r++)
             sumi[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(
                 _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(x[r].bs + b * 16))), 5));
+#if VNNI512
+        __m512i sz[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+#endif
         for (int j = 0; j < 2; j++, ql += 64, qh += 32) {
             const __m256i b1 = _mm256_loadu_si256((const __m256i *)ql), b2 = _mm256_loadu_si256((const __m256i *)(ql + 32));
             const __m256i bh = _mm256_loadu_si256((const __m256i *)qh);
@@ -416,6 +449,17 @@ static void dot4_q6k(const uint8_t *w, int nb, const qrow *x, float *out) {
             v[1] = _mm256_or_si256(_mm256_and_si256(b2, m4), _mm256_and_si256(_mm256_slli_epi16(bh, 2), m30));
             v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m4), _mm256_and_si256(bh, m30));
             v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4), _mm256_and_si256(_mm256_srli_epi16(bh, 2), m30));
+#if VNNI512
+            /* values k = 0, 1 (and 2, 3) in one register: the 64 bytes of x they meet are contiguous */
+            for (int k = 0; k < 4; k += 2) {
+                const __m512i vz = _mm512_inserti64x4(_mm512_castsi256_si512(v[k]), v[k + 1], 1);
+                const __m512i scz = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_shuffle_epi8(s16, pick16(8 + k))),
+                                                       _mm256_shuffle_epi8(s16, pick16(9 + k)), 1);
+                for (int r = 0; r < 4; r++)
+                    sz[r] = _mm512_dpwssd_epi32(sz[r], _mm512_maddubs_epi16(vz, _mm512_loadu_si512(x[r].q + b * QK + 128 * j + 32 * k)), scz);
+            }
+            continue;
+#endif
             for (int k = 0; k < 4; k++) {
                 const __m256i scl = _mm256_shuffle_epi8(s16, pick16(8 + k));
                 for (int r = 0; r < 4; r++) {
@@ -425,6 +469,10 @@ static void dot4_q6k(const uint8_t *w, int nb, const qrow *x, float *out) {
                 }
             }
         }
+#if VNNI512
+        for (int r = 0; r < 4; r++)
+            sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(_mm512_castsi512_si256(sz[r]), _mm512_extracti64x4_epi64(sz[r], 1)));
+#endif
         const float d = f16(w + 208);
         for (int r = 0; r < 4; r++)
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[b]), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
@@ -568,6 +616,7 @@ static float dot_q40(const uint8_t *w, int nb, qrow x) {
     return sum;
 }
 int simd_path(void) { return 0; }
+int vnni_path(void) { return 0; }
 #endif
 
 typedef float (*dot_fn)(const uint8_t *, int, qrow);
