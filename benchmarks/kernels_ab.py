@@ -5,6 +5,9 @@ kernels/native uses and loaded side by side with ctypes, timed alternating on th
 Run on purpose, never from the tests:
 
     .venv/bin/python benchmarks/kernels_ab.py --base a95bcf8~1 --threads 2 [--tokens 64,512]
+
+--clock cpu times the process's CPU seconds instead of wall seconds: on a machine that other work
+shares, with --threads 1, GMAC per CPU second (OpenMP's spinning inflates it at more threads).
 """
 from __future__ import annotations
 
@@ -58,13 +61,15 @@ def main() -> int:
     ap.add_argument("--tokens", default="64,512")
     ap.add_argument("--shapes", default="768x2048,2048x4096", help="N x K of Q4_K matrices")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     args = ap.parse_args()
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
         libs = {"old": build(base_tree(args.base, t / "base"), t / "old.so"), "new": build(ROOT, t / "new.so")}
         for lib in libs.values():
             lib.set_threads(args.threads)
-        print(f"base {args.base}, threads {args.threads}, median of {args.repeats} alternating runs")
+        print(f"base {args.base}, threads {args.threads}, {args.clock} clock, median of {args.repeats} alternating runs")
         print(f"{'op':10} {'N x K':>10} {'M':>4} {'old ms':>8} {'new ms':>8} {'old GMAC/s':>10} {'new GMAC/s':>10} {'x':>5}")
         for shape in [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]:
             n, k = shape
@@ -75,9 +80,9 @@ def main() -> int:
                 times = {name: [] for name in libs}
                 for _ in range(args.repeats + 1):
                     for name, lib in libs.items():
-                        t0 = time.perf_counter()
+                        t0 = clock()
                         lib.qgemm(int(T.Q4_K), x.ctypes.data, m, k, w.ctypes.data, n, ys[name].ctypes.data)
-                        times[name].append(time.perf_counter() - t0)
+                        times[name].append(clock() - t0)
                 assert np.array_equal(ys["old"], ys["new"])
                 report("qgemm", f"{n}x{k}", m, {a: statistics.median(v[1:]) for a, v in times.items()}, m * n * k)
         # one expert-sized SwiGLU (768 x 2048 gate/up Q4_K, down Q6_K) over every token
@@ -91,11 +96,11 @@ def main() -> int:
             times = {name: [] for name in libs}
             for _ in range(args.repeats + 1):
                 for name, lib in libs.items():
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     lib.moe_ffn(x.ctypes.data, m, c, f, 1, P(g.ctypes.data), P(u.ctypes.data), P(d.ctypes.data),
                                 int(T.Q4_K), int(T.Q4_K), int(T.Q6_K), first.ctypes.data, tok.ctypes.data,
                                 wt.ctypes.data, outs[name].ctypes.data)
-                    times[name].append(time.perf_counter() - t0)
+                    times[name].append(clock() - t0)
             assert np.array_equal(outs["old"], outs["new"])
             report("moe_ffn", f"{f}x{c}", m, {a: statistics.median(v[1:]) for a, v in times.items()}, 3 * m * f * c)
     return 0
