@@ -2,10 +2,15 @@
 activations quantized to q8_K (for Q4_K, Q5_K, Q6_K) or q8_0 (for Q8_0, Q4_0) and every block
 dot product in integers (kquant_gemm.c explains the arithmetic).
 
-* `gemm(x, raw, qtype, n, k)`: one weight matrix, x [M, K] -> [M, N] float32.
+* `gemm(x, raw, qtype, n, k)`: one weight matrix, x [M, K] -> [M, N] float32. One token
+  (decode) runs the weight rows in pairs; more (prefill, verify) run cache-blocked: weight rows
+  in L2-sized panels, each group of four tokens (in L1) against every row of a panel, so x is
+  read from L1 instead of L2 for every row. The same bits either way, and at any thread count.
 * `moe_ffn(x, experts, out)`: a layer's routed SwiGLU experts in one call (decode and small
   batches): gate/up rows of every expert, then down rows, in one OpenMP region, so a layer's
-  experts cost one Python call instead of a dozen small torch ops per expert.
+  experts cost one Python call instead of a dozen small torch ops per expert. More than one
+  token goes through the same blocked loops as `gemm` (gate/up rows in blocks of 64 taken
+  dynamically, an expert's tokens 64 at a time), with the one-token path's bits.
 * `attn_qkv(...)` (decode_step.c): one token's q/k/v projections, q/k RMSNorm and RoPE in one
   call, through the same kernels as the separate calls (the same bits, fewer crossings).
 * `attend_one(q, keys, vals, scale)`, `route_topk(x, w, k, renorm)`: one token's attention over
@@ -19,7 +24,8 @@ The C sources are compiled on first use with the system's C compiler into a cach
 version and this CPU's feature flags (so a library built on one CPU is never loaded on another),
 and loaded with ctypes. `-march=native` first (the AVX2 path where the CPU has it); if the
 compiler rejects that, the portable `-march=x86-64` build (the same integer arithmetic in plain
-C). Every failed attempt is reported once on stderr with the compiler's own message. Where no
+C). Where -march=native has AVX-512 BW + VNNI, the four-token K-quant kernels use vpdpwssd on
+512-bit registers (`vnni()`), with the AVX2 code's integer lanes, so the same bits. Every failed attempt is reported once on stderr with the compiler's own message. Where no
 compiler works, or MAWFORGE_NATIVE=0, `available()` is False, `why_unavailable()` says why, and
 the callers keep the torch dequantize-and-multiply path.
 """
@@ -57,7 +63,7 @@ _I = ctypes.c_int
 _SIGNATURES = (("qgemm", [_I, _P, _I, _I, _P, _I, _P]),
                ("moe_ffn", [_P, _I, _I, _I, _I, _P, _P, _P, _I, _I, _I, _P, _P, _P, _P]),
                ("quantize_acts", [_I, _P, _I, _P, _P, _P]),
-               ("supported", [_I]), ("simd_path", []), ("set_threads", [_I]),
+               ("supported", [_I]), ("simd_path", []), ("vnni_path", []), ("set_threads", [_I]),
                ("rms_norm_rows", [_P, _I, _I, _P, ctypes.c_float, _P]),
                ("rope_rows", [_P, _I, _I, _I, _P, _P, _I, _P]),
                ("attn_qkv", [_P, _I, _P, _I, _P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _P, _P, ctypes.c_float,
@@ -166,6 +172,12 @@ def simd() -> bool:
     """True where the AVX2 path was compiled in (else the same integer arithmetic in plain C)."""
     lib = library()
     return bool(lib and lib.simd_path())
+
+
+def vnni() -> bool:
+    """True where the AVX-512 VNNI prefill kernels were compiled in (a CPU with AVX-512 BW + VNNI)."""
+    lib = library()
+    return bool(lib and lib.vnni_path())
 
 
 _limit: int | None = None

@@ -353,18 +353,35 @@ static void dot2_q6k(const uint8_t *w0, const uint8_t *w1, int nb, qrow x, float
 }
 #define HAVE_DOT2 1
 
+/* AVX-512 BW + VNNI (compiled only where -march=native says the CPU has both; the library is
+   built per CPU): the four-token K-quant kernels put two 32-byte sub-blocks in one register and
+   fold maddubs' scale multiply and the add into one vpdpwssd. Each int32 lane of the two halves
+   holds exactly what the AVX2 code's madd lane holds, and the halves are added into the same
+   eight lanes before the float operations, so the results are the same bits. */
+#ifdef MAWFORGE_VNNI_EMU          /* tests: this code on AVX2, the 512-bit operations emulated */
+#include MAWFORGE_VNNI_EMU
+#define VNNI512 1
+#elif defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define VNNI512 1
+#else
+#define VNNI512 0
+#endif
+int vnni_path(void) { return VNNI512; }
+
 /* Four rows of x against one weight row: each block's scales are unpacked once and its values
    loaded once for all four. Per row, the same float operations in the same order as the one-row
    kernel, so the results are identical to four one-row calls. */
-static void dot4_q4k(const uint8_t *w, int nb, const qrow *x, float *out) {
-    const __m256i m4 = _mm256_set1_epi8(0xF);
+FORCE_INLINE void dot4_k45(const uint8_t *w, int nb, const qrow *x, float *out, const int five) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), m16 = _mm256_set1_epi8(16);
+    const int bytes = five ? 176 : 144;
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     __m128 accm[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
-    for (int b = 0; b < nb; b++, w += 144) {
-        const uint8_t *qs = w + 16;
+    for (int b = 0; b < nb; b++, w += bytes) {
+        const uint8_t *qs = w + (five ? 48 : 16);
         const __m128i sm = k_scales_v(w + 4);
         const __m128i mn = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(sm, sm));
         const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+        const __m256i hbits = five ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
         const float d = f16(w), dmin = f16(w + 2);
         __m256i sumi[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
         for (int r = 0; r < 4; r++) {
@@ -372,10 +389,26 @@ static void dot4_q4k(const uint8_t *w, int nb, const qrow *x, float *out) {
             const __m128i s = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs), _mm_loadu_si128((const __m128i *)(bs + 8)));
             accm[r] = _mm_fmadd_ps(_mm_set1_ps(dmin * x[r].d[b]), _mm_cvtepi32_ps(_mm_madd_epi16(mn, s)), accm[r]);
         }
+#if VNNI512
+        __m512i sz[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+#endif
         for (int j = 0; j < 4; j++) {
             const __m256i q4 = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-            const __m256i lo = _mm256_and_si256(q4, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+            __m256i lo = _mm256_and_si256(q4, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+            if (five) {
+                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * j), 4), m16));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * j + 1), 4), m16));
+            }
             const __m256i sl = _mm256_shuffle_epi8(sc, pick16(2 * j)), sh = _mm256_shuffle_epi8(sc, pick16(2 * j + 1));
+#if VNNI512
+            /* sub-blocks 2j (low half) and 2j + 1 (high half) in one register: the 64 bytes of x
+               they meet are contiguous */
+            const __m512i wz = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            const __m512i scz = _mm512_inserti64x4(_mm512_castsi256_si512(sl), sh, 1);
+            for (int r = 0; r < 4; r++)
+                sz[r] = _mm512_dpwssd_epi32(sz[r], _mm512_maddubs_epi16(wz, _mm512_loadu_si512(x[r].q + b * QK + 64 * j)), scz);
+            continue;
+#endif
             for (int r = 0; r < 4; r++) {
                 const int8_t *q8 = x[r].q + b * QK + 64 * j;
                 const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)q8));
@@ -383,11 +416,16 @@ static void dot4_q4k(const uint8_t *w, int nb, const qrow *x, float *out) {
                 sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(_mm256_madd_epi16(pl, sl), _mm256_madd_epi16(ph, sh)));
             }
         }
+#if VNNI512
+        for (int r = 0; r < 4; r++) sumi[r] = _mm256_add_epi32(_mm512_castsi512_si256(sz[r]), _mm512_extracti64x4_epi64(sz[r], 1));
+#endif
         for (int r = 0; r < 4; r++)
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[b]), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
     }
     for (int r = 0; r < 4; r++) out[r] = hsum_ps(acc[r]) - hsum_ps128(accm[r]);
 }
+static void dot4_q4k(const uint8_t *w, int nb, const qrow *x, float *out) { dot4_k45(w, nb, x, out, 0); }
+static void dot4_q5k(const uint8_t *w, int nb, const qrow *x, float *out) { dot4_k45(w, nb, x, out, 1); }
 
 static void dot4_q6k(const uint8_t *w, int nb, const qrow *x, float *out) {
     const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
@@ -399,6 +437,9 @@ static void dot4_q6k(const uint8_t *w, int nb, const qrow *x, float *out) {
         for (int r = 0; r < 4; r++)
             sumi[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(
                 _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(x[r].bs + b * 16))), 5));
+#if VNNI512
+        __m512i sz[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+#endif
         for (int j = 0; j < 2; j++, ql += 64, qh += 32) {
             const __m256i b1 = _mm256_loadu_si256((const __m256i *)ql), b2 = _mm256_loadu_si256((const __m256i *)(ql + 32));
             const __m256i bh = _mm256_loadu_si256((const __m256i *)qh);
@@ -408,6 +449,17 @@ static void dot4_q6k(const uint8_t *w, int nb, const qrow *x, float *out) {
             v[1] = _mm256_or_si256(_mm256_and_si256(b2, m4), _mm256_and_si256(_mm256_slli_epi16(bh, 2), m30));
             v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m4), _mm256_and_si256(bh, m30));
             v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4), _mm256_and_si256(_mm256_srli_epi16(bh, 2), m30));
+#if VNNI512
+            /* values k = 0, 1 (and 2, 3) in one register: the 64 bytes of x they meet are contiguous */
+            for (int k = 0; k < 4; k += 2) {
+                const __m512i vz = _mm512_inserti64x4(_mm512_castsi256_si512(v[k]), v[k + 1], 1);
+                const __m512i scz = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_shuffle_epi8(s16, pick16(8 + k))),
+                                                       _mm256_shuffle_epi8(s16, pick16(9 + k)), 1);
+                for (int r = 0; r < 4; r++)
+                    sz[r] = _mm512_dpwssd_epi32(sz[r], _mm512_maddubs_epi16(vz, _mm512_loadu_si512(x[r].q + b * QK + 128 * j + 32 * k)), scz);
+            }
+            continue;
+#endif
             for (int k = 0; k < 4; k++) {
                 const __m256i scl = _mm256_shuffle_epi8(s16, pick16(8 + k));
                 for (int r = 0; r < 4; r++) {
@@ -417,6 +469,10 @@ static void dot4_q6k(const uint8_t *w, int nb, const qrow *x, float *out) {
                 }
             }
         }
+#if VNNI512
+        for (int r = 0; r < 4; r++)
+            sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(_mm512_castsi512_si256(sz[r]), _mm512_extracti64x4_epi64(sz[r], 1)));
+#endif
         const float d = f16(w + 208);
         for (int r = 0; r < 4; r++)
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[b]), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
@@ -452,6 +508,30 @@ static float dot_q40(const uint8_t *w, int nb, qrow x) {   /* nb blocks of 32: d
     }
     return hsum_ps(acc);
 }
+/* Four rows of x against one Q8_0 / Q4_0 row: the weight block (its |q| for the sign trick)
+   loaded once for the four; per row the one-row kernel's float operations in its order. */
+FORCE_INLINE void dot4_q0(const uint8_t *w, int nb, const qrow *x, float *out, const int four) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), m8 = _mm256_set1_epi8(8), one = _mm256_set1_epi16(1);
+    const int bytes = four ? 18 : 34;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int b = 0; b < nb; b++, w += bytes) {
+        __m256i q;
+        if (four) {
+            const __m128i raw = _mm_loadu_si128((const __m128i *)(w + 2));
+            q = _mm256_sub_epi8(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), m4), m8);
+        } else q = _mm256_loadu_si256((const __m256i *)(w + 2));
+        const __m256i aq = _mm256_sign_epi8(q, q);
+        const float d = f16(w);
+        for (int r = 0; r < 4; r++) {
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)(x[r].q + b * Q80));
+            const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(xq, q)), one));
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[b]), p, acc[r]);
+        }
+    }
+    for (int r = 0; r < 4; r++) out[r] = hsum_ps(acc[r]);
+}
+static void dot4_q80(const uint8_t *w, int nb, const qrow *x, float *out) { dot4_q0(w, nb, x, out, 0); }
+static void dot4_q40(const uint8_t *w, int nb, const qrow *x, float *out) { dot4_q0(w, nb, x, out, 1); }
 int simd_path(void) { return 1; }
 
 #else   /* the same integer arithmetic in plain C */
@@ -536,6 +616,7 @@ static float dot_q40(const uint8_t *w, int nb, qrow x) {
     return sum;
 }
 int simd_path(void) { return 0; }
+int vnni_path(void) { return 0; }
 #endif
 
 typedef float (*dot_fn)(const uint8_t *, int, qrow);
@@ -558,7 +639,10 @@ static dot2_fn dot2_for(int type) {
 static dot4_fn dot4_for(int type) {
 #ifdef HAVE_DOT4
     if (type == T_Q4_K) return dot4_q4k;
+    if (type == T_Q5_K) return dot4_q5k;
     if (type == T_Q6_K) return dot4_q6k;
+    if (type == T_Q8_0) return dot4_q80;
+    if (type == T_Q4_0) return dot4_q40;
 #endif
     (void)type;
     return 0;
@@ -586,6 +670,48 @@ static uint8_t *scratch_for(size_t n) {
     return scratch;
 }
 
+/* ---- prefill: many rows of x against one matrix, cache-blocked --------------------------- */
+/* Weight rows [n0, n1) against the M quantized rows xr[]: y = yr[m][n - y0] (scale NULL) or
+   yr[m][n - y0] += scale[m] * y. The rows go in panels of about PANEL_BYTES, which stay in L2 while
+   each group of four rows of x (a few KiB, in L1) meets every row of the panel through the
+   four-row kernel: each weight block is unpacked once for four tokens, and each x block is
+   read from L1 for every row of the panel instead of from L2 or beyond (the x rows of a 512-token
+   prompt are ~1.1 MiB). The rows of x left over (M % 4) run the one-token kernels, two weight
+   rows at a time where the type has a two-row kernel. Every element is the same float
+   computation as the one-token, one-row kernel's (ggml's order), so blocking changes no bit. */
+#define PANEL_BYTES (64 * 1024)
+static void gemm_rows(dot_fn dot, dot4_fn dot4, dot2_fn dot2, const uint8_t *w, long rb, int nb, int n0, int n1,
+                      const qrow *xr, int M, float *const *yr, int y0, const float *scale) {
+    int pr = (int)(PANEL_BYTES / rb);
+    pr = pr < 4 ? 4 : pr & ~1;
+    const int m4 = dot4 ? M - M % 4 : 0;
+    for (int p0 = n0; p0 < n1; p0 += pr) {
+        const int p1 = p0 + pr < n1 ? p0 + pr : n1;
+        for (int m = 0; m < m4; m += 4)
+            for (int n = p0; n < p1; n++) {
+                float o[4];
+                dot4(w + rb * n, nb, xr + m, o);
+                if (scale) for (int r = 0; r < 4; r++) yr[m + r][n - y0] += scale[m + r] * o[r];
+                else for (int r = 0; r < 4; r++) yr[m + r][n - y0] = o[r];
+            }
+        for (int m = m4; m < M; m++) {
+            float *const y = yr[m];
+            int n = p0;
+            if (dot2)
+                for (; n + 2 <= p1; n += 2) {
+                    float o[2];
+                    dot2(w + rb * n, w + rb * (n + 1), nb, xr[m], o);
+                    if (scale) { y[n - y0] += scale[m] * o[0]; y[n + 1 - y0] += scale[m] * o[1]; }
+                    else { y[n - y0] = o[0]; y[n + 1 - y0] = o[1]; }
+                }
+            for (; n < p1; n++) {
+                const float v = dot(w + rb * n, nb, xr[m]);
+                if (scale) y[n - y0] += scale[m] * v; else y[n - y0] = v;
+            }
+        }
+    }
+}
+
 int supported(int type) { return is_supported(type); }
 
 /* x [M, K] float32, w [N, row bytes] -> y [M, N]. Returns 0, or -1 for an unsupported type or K. */
@@ -593,39 +719,97 @@ int qgemm(int type, const float *x, int M, int K, const uint8_t *w, int N, float
     int nb; long rb;
     dot_fn dot = dot_for(type, K, &nb, &rb);
     if (!dot || K % (act_kind(type) ? QK : Q80)) return -1;
-    const size_t qb = qrow_bytes(K);
-    uint8_t *buf = scratch_for(qb * (size_t)M);
+    const size_t qb = qrow_bytes(K), rows = M > 1 ? (sizeof(qrow) + sizeof(float *)) * (size_t)M : 0;
+    uint8_t *buf = scratch_for(qb * (size_t)M + rows);
     if (!buf) return -2;
     const dot4_fn dot4 = dot4_for(type);
     const dot2_fn dot2 = dot2_for(type);
+    qrow *xr = (qrow *)(buf + qb * (size_t)M);
+    float **yr = (float **)(xr + M);
+    if (M > 1)
+        for (int m = 0; m < M; m++) { xr[m] = qrow_at(buf + qb * m, K); yr[m] = y + (long)m * N; }
     #pragma omp parallel num_threads(team_size())
     {
         #pragma omp for schedule(static)
         for (int m = 0; m < M; m++) quant_row(type, x + (long)m * K, K, qrow_at(buf + qb * m, K));
-        /* weight rows in pairs (each thread a contiguous run of them): four rows of x at a time
-           against one weight row, the rest of x against both rows of the pair */
-        #pragma omp for schedule(static)
-        for (int n2 = 0; n2 < (N + 1) / 2; n2++) {
-            const int n0 = 2 * n2, n1 = n0 + 1 < N ? n0 + 2 : n0 + 1, m4 = dot4 ? M - M % 4 : 0;
-            for (int n = n0; n < n1; n++)
-                for (int m = 0; m < m4; m += 4) {
-                    const qrow xr[4] = {qrow_at(buf + qb * m, K), qrow_at(buf + qb * (m + 1), K),
-                                        qrow_at(buf + qb * (m + 2), K), qrow_at(buf + qb * (m + 3), K)};
-                    float o[4];
-                    dot4(w + rb * n, nb, xr, o);
-                    for (int r = 0; r < 4; r++) y[(long)(m + r) * N + n] = o[r];
-                }
-            for (int m = m4; m < M; m++) {
-                const qrow xr = qrow_at(buf + qb * m, K);
-                if (dot2 && n1 == n0 + 2) {
-                    float o[2];
-                    dot2(w + rb * n0, w + rb * (n0 + 1), nb, xr, o);
-                    y[(long)m * N + n0] = o[0];
-                    y[(long)m * N + n0 + 1] = o[1];
-                } else
-                    for (int n = n0; n < n1; n++) y[(long)m * N + n] = dot(w + rb * n, nb, xr);
+        if (M > 1) {   /* prefill, verify: each thread a contiguous run of weight rows, blocked */
+            const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+            gemm_rows(dot, dot4, dot2, w, rb, nb, (int)((long)N * tid / nth), (int)((long)N * (tid + 1) / nth),
+                      xr, M, yr, 0, 0);
+        } else {       /* decode: weight rows in pairs, each thread a contiguous run of pairs */
+            const qrow x0 = qrow_at(buf, K);
+            #pragma omp for schedule(static)
+            for (int n2 = 0; n2 < (N + 1) / 2; n2++) {
+                const int n0 = 2 * n2;
+                if (dot2 && n0 + 1 < N) dot2(w + rb * n0, w + rb * (n0 + 1), nb, x0, y + n0);
+                else for (int n = n0; n < N && n < n0 + 2; n++) y[n] = dot(w + rb * n, nb, x0);
             }
         }
+    }
+    return 0;
+}
+
+/* moe_ffn for more than one token (prefill, verify), through gemm_rows: the gate and up rows of
+   an expert in blocks of RB rows (one work item each, taken dynamically: experts differ in token
+   count) against the expert's tokens, PC at a time, then h = silu(g) * u; the down rows as in the
+   one-token path, each thread its own output features, expert after expert, blocked. Every float
+   operation is the one-token path's, so the results are the same bits. Scratch beyond the
+   one-token path's: PC * (RB floats + a row's pointers) a thread. */
+#define RB 64
+#define PC 64
+static int moe_ffn_tiled(const float *x, int M, int C, int F, int E,
+                         const uint8_t *const *gate, const uint8_t *const *up, const uint8_t *const *down,
+                         int tg, int tu, int td, const int *first, const int *tok, const float *wt, float *out) {
+    int nbg, nbu, nbd; long rbg, rbu, rbd;
+    const dot_fn dg = dot_for(tg, C, &nbg, &rbg), du = dot_for(tu, C, &nbu, &rbu), dd = dot_for(td, F, &nbd, &rbd);
+    const dot4_fn d4g = dot4_for(tg), d4u = dot4_for(tu), d4d = dot4_for(td);
+    const dot2_fn d2g = dot2_for(tg), d2u = dot2_for(tu), d2d = dot2_for(td);
+    const int P = first[E], nth0 = team_size();
+    const size_t qc = qrow_bytes(C), qf = qrow_bytes(F);
+    const int two = act_kind(tg) != act_kind(tu);
+    const size_t per_thread = (sizeof(qrow) + sizeof(float *)) * PC + sizeof(float) * PC * RB;
+    const size_t need = qc * M * (1 + two) + sizeof(float) * (size_t)P * F + qf * (size_t)P + per_thread * nth0;
+    uint8_t *buf = scratch_for(need);
+    if (!buf) return -2;
+    uint8_t *xg = buf, *xu = two ? buf + qc * M : buf;
+    float *h = (float *)(buf + qc * M * (1 + two));
+    uint8_t *hq = (uint8_t *)(h + (size_t)P * F), *lists = hq + qf * (size_t)P;
+    const int nblk = (F + RB - 1) / RB;
+    #pragma omp parallel num_threads(nth0)
+    {
+        const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        qrow *xr = (qrow *)(lists + per_thread * tid);
+        float **yr = (float **)(xr + PC), *ub = (float *)(yr + PC);
+        #pragma omp for schedule(static)
+        for (int m = 0; m < M; m++) {
+            quant_row(tg, x + (long)m * C, C, qrow_at(xg + qc * m, C));
+            if (two) quant_row(tu, x + (long)m * C, C, qrow_at(xu + qc * m, C));
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (long i = 0; i < (long)E * nblk; i++) {
+            const int e = (int)(i / nblk), n0 = (int)(i % nblk) * RB, n1 = n0 + RB < F ? n0 + RB : F;
+            for (int p0 = first[e]; p0 < first[e + 1]; p0 += PC) {
+                const int np = first[e + 1] - p0 < PC ? first[e + 1] - p0 : PC;
+                for (int k = 0; k < np; k++) { xr[k] = qrow_at(xg + qc * tok[p0 + k], C); yr[k] = h + (long)(p0 + k) * F; }
+                gemm_rows(dg, d4g, d2g, gate[e], rbg, nbg, n0, n1, xr, np, yr, 0, 0);
+                for (int k = 0; k < np; k++) { xr[k] = qrow_at(xu + qc * tok[p0 + k], C); yr[k] = ub + k * RB; }
+                gemm_rows(du, d4u, d2u, up[e], rbu, nbu, n0, n1, xr, np, yr, n0, 0);
+                for (int k = 0; k < np; k++) {
+                    float *hv = h + (long)(p0 + k) * F; const float *uv = ub + k * RB;
+                    for (int n = n0; n < n1; n++) hv[n] = hv[n] / (1.f + expf(-hv[n])) * uv[n - n0];
+                }
+            }
+        }
+        #pragma omp for schedule(static)
+        for (int p = 0; p < P; p++) quant_row(td, h + (long)p * F, F, qrow_at(hq + qf * p, F));
+        /* each thread its own output features; every out element adds the experts in order */
+        const int c0 = (int)((long)C * tid / nth), c1 = (int)((long)C * (tid + 1) / nth);
+        for (int e = 0; e < E; e++)
+            for (int p0 = first[e]; p0 < first[e + 1]; p0 += PC) {
+                const int np = first[e + 1] - p0 < PC ? first[e + 1] - p0 : PC;
+                for (int k = 0; k < np; k++) { xr[k] = qrow_at(hq + qf * (p0 + k), F); yr[k] = out + (long)tok[p0 + k] * C; }
+                gemm_rows(dd, d4d, d2d, down[e], rbd, nbd, c0, c1, xr, np, yr, 0, wt + p0);
+            }
     }
     return 0;
 }
@@ -643,6 +827,7 @@ int moe_ffn(const float *x, int M, int C, int F, int E,
     dot_fn dg = dot_for(tg, C, &nbg, &rbg), du = dot_for(tu, C, &nbu, &rbu), dd = dot_for(td, F, &nbd, &rbd);
     if (!dg || !du || !dd || C % (act_kind(tg) ? QK : Q80) || C % (act_kind(tu) ? QK : Q80)
         || F % (act_kind(td) ? QK : Q80)) return -1;
+    if (M > 1) return moe_ffn_tiled(x, M, C, F, E, gate, up, down, tg, tu, td, first, tok, wt, out);
     const int P = first[E];
     const dot4_fn d4g = dot4_for(tg), d4u = dot4_for(tu), d4d = dot4_for(td);
     const dot2_fn d2gu = tg == tu ? dot2_for(tg) : 0, d2d = dot2_for(td);
