@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType as T
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +50,8 @@ def base_tree(rev: str, tmp: Path) -> Path:
 
 
 def rows(qt: T, n: int, k: int) -> np.ndarray:
-    return np.ascontiguousarray(quantize((np.random.default_rng(n).standard_normal((n, k)) * 0.1).astype(np.float32), qt))
+    w = (np.random.default_rng(n).standard_normal((n, k)) * 0.1).astype(np.float32)
+    return np.ascontiguousarray(quantize(w, qt))
 
 
 def main() -> int:
@@ -69,8 +69,10 @@ def main() -> int:
         libs = {"old": build(base_tree(args.base, t / "base"), t / "old.so"), "new": build(ROOT, t / "new.so")}
         for lib in libs.values():
             lib.set_threads(args.threads)
-        print(f"base {args.base}, threads {args.threads}, {args.clock} clock, median of {args.repeats} alternating runs")
-        print(f"{'op':10} {'N x K':>10} {'M':>4} {'old ms':>8} {'new ms':>8} {'old GMAC/s':>10} {'new GMAC/s':>10} {'x':>5}")
+        print(f"base {args.base}, threads {args.threads}, {args.clock} clock, "
+              f"median of {args.repeats} alternating runs")
+        print(f"{'op':10} {'N x K':>10} {'M':>4} {'old ms':>8} {'new ms':>8} {'old GMAC/s':>10} "
+              f"{'new GMAC/s':>10} {'x':>5}")
         for shape in [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]:
             n, k = shape
             w = rows(T.Q4_K, n, k)
