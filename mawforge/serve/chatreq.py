@@ -51,6 +51,8 @@ class ChatOptions:
 class Turn:
     prompt: str
     parser: OutputParser
+    forced: tuple = ()             # (index in tools, tool) the output must call (tool_choice required/named)
+    named: str | None = None       # the named function, whose call opening is in the prompt
 
 
 # ---- request validation -------------------------------------------------------------------
@@ -221,11 +223,13 @@ class ChatFront:
         parser = OutputParser(fmt, schemas, reasoning=reasoning, tools=bool(tools),
                               start_in_reasoning=reasoning and opens)
         if o.choice in ("required", "named") and fmt.parse is not None:
-            # No grammar here: the call is forced by writing its opening into the prompt, and
-            # the parser reads that opening as if the model had written it.
+            # The call's opening is written into the prompt, and the parser reads it as if the
+            # model had written it; the rest is constrained where the format allows (structured.py).
             prefill = (fmt.think[0][1] + "\n\n" if opens else "") + fmt.prefix(o.named)
             prompt += prefill
             parser.feed(prefill)
+            forced = tuple((i, t) for i, t in enumerate(o.tools) if o.named in (None, t["function"]["name"]))
+            return Turn(prompt, parser, forced, o.named)     # serve/structured.py constrains what follows
         return Turn(prompt, parser)
 
 

@@ -1,0 +1,105 @@
+"""Structured outputs at the API edge: the grammar a request's output must follow, compiled into
+the engine's Constraint (engine/constraint.py, llguidance).
+
+    proc = request_constraint(rt, req.response_format, turn)    # None, or a Constraint; 400s as ApiError
+    generate(rt, ids, params, processors=[proc])
+
+Two sources: `response_format` (protocol.parse_response_format's shape: json_object, json_schema)
+and a forced tool call (tool_choice "required" or a named function): chatreq.py writes the call's
+opening into the prompt, and the grammar here forces the rest in the model's own call syntax, with
+arguments matching the function's JSON Schema. A forced call wins over response_format.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from mawforge.engine import constraint as C
+from mawforge.serve.protocol import ApiError
+from mawforge.serve.tools import ToolFormat
+
+# Tool-call formats whose arguments are one JSON object: format -> (the call's head after the
+# opening that tool_choice "required" writes, given the function name; the text that closes the
+# call). fmt.prefix(None) + head(name) == fmt.prefix(name) (tests/test_structured.py checks it).
+JSON_CALLS: dict[str, tuple[Callable[[str], str], str]] = {
+    "qwen-json": (lambda n: f'{{"name": "{n}", "arguments": ', "}\n</tool_call>"),
+    "llama3": (lambda n: f'{n}", "parameters": ', "}"),
+    "mistral": (lambda n: f"{n}[ARGS]", ""),
+    "mistral-json": (lambda n: f'{{"name": "{n}", "arguments": ', "}]"),
+    "deepseek": (lambda n: f"{n}<｜tool▁sep｜>", "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+    "gpt-oss": (lambda n: f"{n} <|constrain|>json<|message|>", "<|call|>"),
+}
+
+
+def constrained_formats() -> tuple[str, ...]:
+    return tuple(JSON_CALLS)
+
+
+def response_grammar(fmt: dict | None) -> str | None:
+    if fmt is None:
+        return None
+    if fmt["type"] == "json_object":
+        return C.json_schema_grammar({"type": "object"})
+    return C.json_schema_grammar(fmt["schema"], lenient=not fmt["strict"])
+
+
+def _schema(tool: dict) -> tuple[dict, bool]:
+    fn = tool["function"]
+    return fn.get("parameters") or {"type": "object"}, not fn.get("strict", False)
+
+
+def tool_grammar(fmt: ToolFormat, forced: tuple, named: str | None, vocab: C.Vocab) -> str | None:
+    """The Lark grammar of what follows the call opening in the prompt; None where the format's
+    arguments are not JSON (the opening alone forces the call)."""
+    if fmt.name not in JSON_CALLS or not forced:
+        return None
+    head, tail = JSON_CALLS[fmt.name]
+    rules, alts = [], []
+    for k, (_, tool) in enumerate(forced):
+        schema, lenient = _schema(tool)
+        parts = [] if named is not None else [vocab.literal(head(tool["function"]["name"]))]
+        parts += [f"args_{k}"] + ([vocab.literal(tail)] if tail else [])
+        rules += [f"call_{k}: {' '.join(parts)}", f"args_{k}: {C.json_in_lark(schema, lenient)}"]
+        alts.append(f"call_{k}")
+    return C.lark_grammar("\n".join([f"start: {' | '.join(alts)}"] + rules))
+
+
+def _compile(vocab: C.Vocab, grammar: str, param: str) -> C.Constraint:
+    try:
+        return C.Constraint(vocab, C.compile_grammar(vocab, grammar))
+    except C.GrammarError as e:
+        raise ApiError(400, f"{param}: {e}", param=param, code="invalid_schema") from None
+
+
+def _tool_culprit(vocab: C.Vocab, forced: tuple) -> str:
+    """The first forced tool whose schema alone does not compile (the grammar of all did not)."""
+    for i, tool in forced:
+        schema, lenient = _schema(tool)
+        try:
+            C.compile_grammar(vocab, C.lark_grammar(f"start: {C.json_in_lark(schema, lenient)}"))
+        except C.GrammarError:
+            return f"tools[{i}].function.parameters"
+    return "tools"
+
+
+def request_constraint(rt, response_format: dict | None, turn) -> C.Constraint | None:
+    """The request's Constraint, or None when its output is free. Raises ApiError (400) naming
+    `response_format` or `tools[i].function.parameters` when llguidance refuses the schema."""
+    forced = turn.forced if turn is not None else ()
+    if forced:
+        fmt: ToolFormat = turn.parser.fmt
+        if fmt.name not in JSON_CALLS:
+            return None
+        vocab = C.token_vocab(rt.tokenizer, rt.cfg.vocab)
+        try:
+            return C.Constraint(vocab, C.compile_grammar(vocab, tool_grammar(fmt, forced, turn.named, vocab)))
+        except C.GrammarError as e:
+            param = _tool_culprit(vocab, forced)
+            raise ApiError(400, f"{param}: {e}", param=param, code="invalid_schema") from None
+    if response_format is None:
+        return None
+    vocab = C.token_vocab(rt.tokenizer, rt.cfg.vocab)
+    try:
+        grammar = response_grammar(response_format)
+    except C.GrammarError as e:
+        raise ApiError(400, f"response_format: {e}", param="response_format", code="invalid_schema") from None
+    return _compile(vocab, grammar, "response_format")
