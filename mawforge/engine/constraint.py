@@ -19,6 +19,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import llguidance as llg
+import numpy as np
 import torch
 
 from mawforge.engine import pretok
@@ -32,7 +33,7 @@ LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fu
 # Output JSON as models usually write it (json.dumps's separators), without free whitespace, which
 # a weak model could otherwise repeat until max_tokens.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_SHIFTS = torch.arange(32, dtype=torch.int32)
+_NEG_INF = torch.tensor(float("-inf"))
 
 
 class GrammarError(RequestError):
@@ -138,7 +139,7 @@ def _decoder_kinds(d: dict | None) -> set[str]:
 
 def _hf_bytes(tok) -> tuple[list[bytes], set[int]]:
     """A tokenizer.json vocabulary: byte-level (GPT-2 byte-to-unicode) or SentencePiece style
-    (U+2581 for space, <0xHH> byte fallback); added tokens as their text."""
+    (U+2581 for space, <0xHH> byte fallback); added tokens are special, spelled as their text."""
     kinds = _decoder_kinds(json.loads(tok.to_str()).get("decoder"))
     byte_level = "ByteLevel" in kinds
     if not byte_level and not kinds & {"Metaspace", "Replace", "ByteFallback"}:
@@ -157,9 +158,8 @@ def _hf_bytes(tok) -> tuple[list[bytes], set[int]]:
         tokens[i] = b
         special.discard(i)
     for i, added in tok.get_added_tokens_decoder().items():
-        tokens[i] = added.content.encode()
-        if not added.special:
-            special.discard(i)
+        tokens[i] = added.content.encode()        # special, as llguidance's own tokenizer.json reader has it
+        special.add(i)
     return tokens, special
 
 
@@ -176,6 +176,9 @@ def token_vocab(tokenizer, n_vocab: int) -> Vocab:
             return got
         inner = tokenizer.tok
         tokens, special = _gguf_bytes(inner) if isinstance(inner, GgufVocab) else _hf_bytes(inner.tok)
+        # 0xFF never occurs in UTF-8 and is llguidance's special-token marker: such a token is never text
+        tokens = [b"" if b.startswith(b"\xff") else b for b in tokens]
+        special |= {i for i, b in enumerate(tokens) if not b}
         if len(tokens) < n_vocab:
             special |= set(range(len(tokens), n_vocab))
             tokens = tokens + [b""] * (n_vocab - len(tokens))
@@ -234,21 +237,24 @@ class Constraint:
     def done(self) -> bool:
         return self.m.is_stopped() and not self.m.is_error()
 
-    def mask(self) -> torch.Tensor:
-        """The allowed ids for the next position, bool [V]. Raises GrammarDeadEnd."""
+    def disallowed(self) -> torch.Tensor:
+        """The ids the grammar forbids at the next position, bool [V]. Raises GrammarDeadEnd."""
         self.m.unsafe_compute_mask_ptr(self.bits.data_ptr(), self.bits.numel() * 4)
         if self.m.is_error():
             raise GrammarDeadEnd(f"the output grammar failed after {self.n_accepted} tokens: "
                                  f"{_first_line(self.m.get_error())}")
-        return ((self.bits.unsqueeze(1) >> _SHIFTS) & 1).view(-1)[:self.vocab.n].bool()
+        words = self.bits.numpy().view(np.uint8)                            # [4W], shares memory
+        if not words.any():
+            raise GrammarDeadEnd(f"the output grammar allows no next token after {self.n_accepted} tokens")
+        return torch.from_numpy(np.unpackbits(~words, bitorder="little")[:self.vocab.n].view(np.bool_))
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         if self.done and not self.vocab.eos:
             return logits
-        allowed = self.mask()[:logits.shape[-1]]
-        if not bool(allowed.any()):
+        forbid = self.disallowed()[:logits.shape[-1]].to(logits.device)
+        if self.vocab.n > logits.shape[-1] and bool(forbid.all()):
             raise GrammarDeadEnd(f"the output grammar allows no next token after {self.n_accepted} tokens")
-        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+        return torch.where(forbid, _NEG_INF.to(logits.device, logits.dtype), logits)
 
     def accept(self, token: int) -> None:
         if self.done and token not in self.vocab.eos:

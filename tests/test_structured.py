@@ -1,0 +1,186 @@
+"""Structured outputs (llguidance): token-bytes tables of every vocabulary kind against the
+tokenizer and llguidance's own tokenizer.json reader; json_schema / json_object / forced tool calls
+through the engine (tiny fixture packs, the demo model) and through the server with the official
+openai client; speculative output equal to plain output; the 400s and the dead end.
+Outputs are checked with `jsonschema` (a validator nobody here wrote)."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import llguidance as llg
+import openai
+import pytest
+import torch
+
+from mawforge.demo import demo_gguf
+from mawforge.engine import constraint as C
+from mawforge.engine.generate import generate
+from mawforge.engine.runtime import Runtime, RuntimeOptions
+from mawforge.engine.sampling import SamplingParams
+from mawforge.engine.speculative import SpecOptions, Speculator
+from mawforge.engine.tokenizer import _from_hf, from_gguf_metadata
+from mawforge.fixtures.build import build_fixtures
+from mawforge.fixtures.hf_tokenizers import build_family
+from mawforge.pack.packer import pack
+from mawforge.serve.app import ServerThread, build_app
+from mawforge.serve.structured import JSON_CALLS, tool_grammar
+from mawforge.serve.tools import FORMATS
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "name", "n", "tags"],
+          "properties": {"city": {"enum": ["Zürich", "東京", "Paris 😀"]}, "name": {"type": "string", "maxLength": 10},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3}}}
+DOC = {"city": "東京", "name": "ï “é” 😀", "n": 7, "tags": ["ü", "日本"]}
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["city", "unit"],
+        "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["°C", "°F"]}}}}},
+    {"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object", "required": ["q"], "properties": {"q": {"type": "string", "maxLength": 12}}}}}]
+TEXTS = ('{"a": "naïve café — “quoted” 日本語 😀"}', "def f(x):\n\treturn {'k': [x, None]}\n", "  spaces\n\nand ü")
+
+
+# ---- the token-bytes table of every vocabulary kind ----------------------------------------
+
+def _gguf_vocab(name: str):
+    from mawforge.fixtures.llama_vocabs import vocab_dir
+    from mawforge.fixtures.sdist import SdistMissing
+    from mawforge.formats.gguf import read_header
+    try:
+        root = vocab_dir()
+    except SdistMissing as e:
+        pytest.skip(f"llama.cpp's vocabularies are not available: {e}")
+    return from_gguf_metadata(read_header(root / f"ggml-vocab-{name}.gguf")[0])
+
+
+SOURCES = {"gguf-gemma-4": lambda tmp: _gguf_vocab("gemma-4"), "gguf-llama-spm": lambda tmp: _gguf_vocab("llama-spm"),
+           **{f"hf-{fam}": (lambda tmp, fam=fam: _from_hf(build_family(fam, tmp / fam)))
+              for fam in ("qwen3", "gemma4", "gpt_oss")}}
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    root, made = tmp_path_factory.mktemp("vocabs"), {}
+
+    def get(name):
+        if name not in made:
+            made[name] = SOURCES[name](root)
+        return made[name]
+    return get
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_token_table_spells_what_the_tokenizer_encodes(tokenizers, source):
+    tok = tokenizers(source)
+    v = C.token_vocab(tok, tok.vocab_size)
+    assert C.token_vocab(tok, tok.vocab_size) is v                     # built once per tokenizer
+    assert set(tok.eos_ids) <= v.special and v.eos
+    for text in TEXTS:
+        ids = tok.encode(text, add_special=False, parse_special=False)
+        spelled = b"".join(v.tokens[i] for i in ids)
+        assert spelled in (text.encode(), b" " + text.encode())       # SentencePiece adds one space first
+        assert not set(ids) & v.special
+    if source.startswith("hf-"):                    # llguidance's own tokenizer.json reader as the reference
+        ref = llg.LLTokenizer(tok.tok.tok.to_str())
+        assert [ref.decode_bytes([i]) for i in range(v.n)] == v.tokens
+        assert {i for i in range(v.n) if ref.is_special_token(i) and v.tokens[i]} <= v.special
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_a_schema_walk_accepts_valid_json_and_refuses_the_rest(tokenizers, source):
+    """Multi-byte characters split across byte tokens and merged tokens alike."""
+    tok = tokenizers(source)
+    v = C.token_vocab(tok, tok.vocab_size)
+    grammar = C.json_schema_grammar(SCHEMA)
+    jsonschema.validate(DOC, SCHEMA)
+    good = C.compile_grammar(v, grammar)
+    assert good.consume_tokens(v.tokenize(json.dumps(DOC, ensure_ascii=False).encode()))
+    assert good.is_accepting() and C.Constraint(v, good).done
+    bad = C.compile_grammar(v, grammar)
+    ids = v.tokenize(json.dumps({**DOC, "city": "Zurich"}, ensure_ascii=False).encode())
+    assert bad.validate_tokens(ids) < len(ids)
+
+
+def test_each_json_call_format_is_the_prefix_plus_a_head_and_its_grammar_takes_a_call(tokenizers):
+    v = C.token_vocab(tokenizers("hf-gpt_oss"), tokenizers("hf-gpt_oss").vocab_size)   # harmony specials
+    args = {"city": "Zürich", "unit": "°C"}
+    for name, (head, tail) in JSON_CALLS.items():
+        fmt = FORMATS[name]
+        assert fmt.prefix(None) + head("get_weather") == fmt.prefix("get_weather")
+        forced = tuple(enumerate(TOOLS))
+        for named, text in ((None, head("get_weather")), ("get_weather", "")):
+            m = C.compile_grammar(v, tool_grammar(fmt, forced[:1] if named else forced, named, v))
+            ids = v.encode(text + json.dumps(args, ensure_ascii=False) + tail)
+            assert m.consume_tokens(ids) and m.is_stopped(), (name, named)
+
+
+# ---- generation on the tiny fixture packs and the demo model ---------------------------------
+
+@pytest.fixture(scope="module")
+def runtimes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("structured")
+    built = build_fixtures(root / "fx", archs=("qwen3_moe", "mixtral"), ftypes=("Q8_0",))
+    packs = {"demo": demo_gguf("Q8_0"), "qwen3_moe-gguf": built["qwen3_moe"]["gguf"]["Q8_0"],
+             "mixtral-gguf": built["mixtral"]["gguf"]["Q8_0"], "mixtral-hf": built["mixtral"]["hf"]}
+    threads = torch.get_num_threads()
+    made = {}
+    for name, src in packs.items():
+        pack(src, root / name, progress=False)
+        made[name] = Runtime(root / name, RuntimeOptions(context=1024, memory_budget_gib=2.0, threads=1))
+    yield made
+    for rt in made.values():
+        rt.close()
+    torch.set_num_threads(threads)
+
+
+def _constrained(rt, grammar: str):
+    v = C.token_vocab(rt.tokenizer, rt.cfg.vocab)
+    return C.Constraint(v, C.compile_grammar(v, grammar))
+
+
+def _run(rt, prompt: str, grammar: str, speculative=None, **params):
+    ids = rt.tokenizer.encode(prompt)
+    evs = list(generate(rt, ids, SamplingParams(**params), processors=[_constrained(rt, grammar)],
+                        speculative=speculative))
+    return "".join(e.text for e in evs), [e.token for e in evs], evs[-1]
+
+
+PROMPT = "<|im_start|>user\nDescribe a city as JSON.<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("name", ["demo", "qwen3_moe-gguf", "mixtral-gguf", "mixtral-hf"])
+@pytest.mark.parametrize("temperature,seed", [(0.0, None), (0.9, 1), (1.2, 2)])
+def test_json_schema_output_always_validates(runtimes, name, temperature, seed):
+    text, tokens, last = _run(runtimes[name], PROMPT, C.json_schema_grammar(SCHEMA), max_tokens=120,
+                              temperature=temperature, seed=seed)
+    assert last.finish_reason == "stop" and "\ufffd" not in text
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_json_object_output_is_an_object(runtimes):
+    for seed in (1, 2, 3):
+        text, _, last = _run(runtimes["demo"], PROMPT, C.json_schema_grammar({"type": "object"}), max_tokens=200,
+                             temperature=0.7, seed=seed)
+        assert last.finish_reason in ("stop", "length")
+        if last.finish_reason == "stop":
+            assert isinstance(json.loads(text), dict)
+
+
+def test_speculative_output_equals_plain_output_under_a_grammar(runtimes):
+    """The prompt holds JSON, so prompt lookup drafts tokens, and the grammar refuses some of them."""
+    rt = runtimes["demo"]
+    prompt = PROMPT.replace("Describe a city as JSON.", 'Like {"city": "Paris", "name": "The Word was", "n": 12, '
+                            '"tags": ["the", "LORD"]} and {"name": "shepherd", "n": 99}')
+    grammar = C.json_schema_grammar(SCHEMA)
+    plain = _run(rt, prompt, grammar, max_tokens=60, temperature=0.0)
+    spec = Speculator(rt, SpecOptions(mode="ngram", k=4))
+    fast = _run(rt, prompt, grammar, speculative=spec, max_tokens=60, temperature=0.0)
+    assert fast[1] == plain[1] and fast[0] == plain[0]
+    assert fast[2].telemetry.speculative["drafted"] > 0
+    jsonschema.validate(json.loads(plain[0]), SCHEMA)
+
+
+def test_max_tokens_mid_structure_ends_with_length(runtimes):
+    text, tokens, last = _run(runtimes["demo"], PROMPT, C.json_schema_grammar(SCHEMA), max_tokens=3)
+    assert last.finish_reason == "length" and len(tokens) == 3 and text.startswith("{")
