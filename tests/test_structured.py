@@ -184,3 +184,99 @@ def test_speculative_output_equals_plain_output_under_a_grammar(runtimes):
 def test_max_tokens_mid_structure_ends_with_length(runtimes):
     text, tokens, last = _run(runtimes["demo"], PROMPT, C.json_schema_grammar(SCHEMA), max_tokens=3)
     assert last.finish_reason == "length" and len(tokens) == 3 and text.startswith("{")
+
+
+# ---- through the server, with the official openai client ------------------------------------
+
+@pytest.fixture(scope="module")
+def served(runtimes):
+    """The demo model behind Qwen3's chat template (hermes-style <tool_call>{json}</tool_call>)."""
+    from mawforge.fixtures.sdist_templates import SdistMissing, template_dir
+    try:
+        source = (template_dir() / "Qwen-Qwen3-0.6B.jinja").read_text()
+    except SdistMissing as e:
+        pytest.skip(f"llama-cpp-python sdist not available: {e}")
+    app = build_app(runtimes["demo"], "demo", max_tokens_default=120, chat_template=source, allow_forced_output=True)
+    with ServerThread(app) as s:
+        yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+
+
+ASK = [{"role": "user", "content": "What is the weather in Zürich?"}]
+RF = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
+
+
+def test_response_format_through_the_server_streamed_and_not(served):
+    for temperature in (0.0, 1.0):
+        whole = served.chat.completions.create(model="demo", messages=ASK, response_format=RF,
+                                               temperature=temperature, seed=5)
+        chunks = list(served.chat.completions.create(model="demo", messages=ASK, response_format=RF,
+                                                     temperature=temperature, seed=5, stream=True))
+        deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+        assert whole.choices[0].finish_reason == chunks[-1].choices[0].finish_reason == "stop"
+        assert "".join(deltas) == whole.choices[0].message.content and not any("\ufffd" in d for d in deltas)
+        jsonschema.validate(json.loads(whole.choices[0].message.content), SCHEMA)
+    obj = served.chat.completions.create(model="demo", messages=ASK, response_format={"type": "json_object"},
+                                         temperature=0.0)
+    assert obj.choices[0].finish_reason == "stop" and isinstance(json.loads(obj.choices[0].message.content), dict)
+    text = served.chat.completions.create(model="demo", messages=ASK, response_format={"type": "text"}, max_tokens=4)
+    assert text.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"])
+def test_forced_tool_calls_are_parseable_and_schema_valid(served, choice):
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for temperature, seed in ((0.0, None), (1.0, 1), (1.3, 2)):
+        r = served.chat.completions.create(model="demo", messages=ASK, tools=TOOLS, tool_choice=choice,
+                                           temperature=temperature, seed=seed)
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and call.function.name in schemas
+        if choice != "required":
+            assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_speculative_ngram_equals_plain_through_the_server(served):
+    outs = [served.chat.completions.create(model="demo", messages=ASK, response_format=RF, temperature=0.0,
+                                           extra_body={"speculative": mode}) for mode in ("off", "ngram")]
+    assert outs[0].choices[0].message.content == outs[1].choices[0].message.content
+    assert outs[1].telemetry["speculative"]["mode"] == "ngram"
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "pattern": "(((("}}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/no"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "enum": [f"value number {i}" for i in range(20000)]}}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {f"p{i}": {"type": "string", "pattern": f"^x{i}[a-z]{{3,9}}$"}
+                                         for i in range(3000)}}}}}, "response_format"),
+    ({"tools": TOOLS[:1] + [{"type": "function", "function": {"name": "bad", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}}}}],
+      "tool_choice": "required"}, "tools[1].function.parameters"),
+])
+def test_schemas_llguidance_refuses_are_400s_naming_the_field(served, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        served.chat.completions.create(model="demo", messages=ASK, max_tokens=4, extra_body=extra)
+    assert e.value.status_code == 400 and e.value.body["param"] == param and "\n" not in e.value.body["message"]
+
+
+def test_a_dead_end_keeps_what_streamed_and_tells_the_client(served):
+    """forced_output (the testing hook) writes tokens the grammar refuses: the client sees an
+    error in OpenAI's schema, never a 500 or a hang, and keeps what streamed before it."""
+    forced = '{"city": "Berlin", "name": "x", "n": 1, "tags": []}'
+    body = {"response_format": RF, "extra_body": {"forced_output": forced}}
+    with pytest.raises(openai.BadRequestError) as e:
+        served.chat.completions.create(model="demo", messages=ASK, **body)
+    assert e.value.body["code"] == "grammar_dead_end"
+    got = []
+    with pytest.raises(openai.APIError) as e:
+        for c in served.chat.completions.create(model="demo", messages=ASK, stream=True, **body):
+            got.append(c.choices[0].delta.content or "" if c.choices else "")
+    assert "".join(got).startswith('{"city": "') and forced.startswith("".join(got))
+    assert "grammar" in str(e.value)
+    short = served.chat.completions.create(model="demo", messages=ASK, response_format=RF, max_tokens=3)
+    assert short.choices[0].finish_reason == "length"

@@ -29,7 +29,7 @@ from mawforge.errors import RequestError, UnsupportedError
 MAX_GRAMMAR_CHARS = 256 * 1024        # a schema or grammar text larger than this is refused unread
 # llguidance's own bounds on compiling and on each step (its defaults allow ~500 MB of lexer states)
 LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
-              step_max_items=50_000, max_lexer_states=50_000, max_grammar_size=30_000, verbose_errors=False)
+              step_max_items=50_000, max_lexer_states=50_000, max_grammar_size=20_000, verbose_errors=False)
 # Output JSON as models usually write it (json.dumps's separators), without free whitespace, which
 # a weak model could otherwise repeat until max_tokens.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
