@@ -15,6 +15,7 @@ import torch
 
 from mawforge.demo import demo_gguf
 from mawforge.engine import constraint as C
+from mawforge.engine.drafters import Drafter
 from mawforge.engine.generate import generate
 from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.engine.sampling import SamplingParams
@@ -179,6 +180,34 @@ def test_speculative_output_equals_plain_output_under_a_grammar(runtimes):
     assert fast[1] == plain[1] and fast[0] == plain[0]
     assert fast[2].telemetry.speculative["drafted"] > 0
     jsonschema.validate(json.loads(plain[0]), SCHEMA)
+
+
+class _Forbidden(Drafter):
+    """Drafts the plain output's next tokens, then one token no JSON grammar allows (a special)."""
+
+    def __init__(self, truth: list[int], n_prompt: int, bad: int) -> None:
+        super().__init__(None, None)
+        self.truth, self.n_prompt, self.bad = truth, n_prompt, bad
+
+    def propose(self, context, k):
+        self.probs = None
+        return self.truth[len(context) - self.n_prompt:][:k - 1] + [self.bad]
+
+
+def test_drafts_the_grammar_forbids_are_rejected_and_sampled_drafts_stay_valid(runtimes):
+    rt = runtimes["demo"]
+    grammar, n_prompt = C.json_schema_grammar(SCHEMA), len(rt.tokenizer.encode(PROMPT))
+    text, plain, _ = _run(rt, PROMPT, grammar, max_tokens=60, temperature=0.0)
+    bad = rt.tokenizer.token_id("<|im_start|>")
+    spec = Speculator(rt, SpecOptions(mode="ngram", k=4), _drafter=_Forbidden(plain, n_prompt, bad))
+    same = _run(rt, PROMPT, grammar, speculative=spec, max_tokens=60, temperature=0.0)
+    report = same[2].telemetry.speculative
+    assert same[1] == plain and report["accepted"] < report["drafted"] and bad not in same[1]
+    for seed in (1, 2):
+        sampled = _run(rt, PROMPT, grammar, speculative=Speculator(rt, SpecOptions(mode="ngram", k=4)),
+                       max_tokens=120, temperature=0.9, seed=seed)
+        assert sampled[2].finish_reason == "stop"
+        jsonschema.validate(json.loads(sampled[0]), SCHEMA)
 
 
 def test_max_tokens_mid_structure_ends_with_length(runtimes):
