@@ -217,15 +217,19 @@ def test_max_tokens_mid_structure_ends_with_length(runtimes):
 
 # ---- through the server, with the official openai client ------------------------------------
 
+def _template(stem: str) -> str:
+    from mawforge.fixtures.sdist_templates import SdistMissing, template_dir
+    try:
+        return (template_dir() / f"{stem}.jinja").read_text()
+    except SdistMissing as e:
+        pytest.skip(f"llama-cpp-python sdist not available: {e}")
+
+
 @pytest.fixture(scope="module")
 def served(runtimes):
     """The demo model behind Qwen3's chat template (hermes-style <tool_call>{json}</tool_call>)."""
-    from mawforge.fixtures.sdist_templates import SdistMissing, template_dir
-    try:
-        source = (template_dir() / "Qwen-Qwen3-0.6B.jinja").read_text()
-    except SdistMissing as e:
-        pytest.skip(f"llama-cpp-python sdist not available: {e}")
-    app = build_app(runtimes["demo"], "demo", max_tokens_default=120, chat_template=source, allow_forced_output=True)
+    app = build_app(runtimes["demo"], "demo", max_tokens_default=120, chat_template=_template("Qwen-Qwen3-0.6B"),
+                    allow_forced_output=True)
     with ServerThread(app) as s:
         yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
 
@@ -309,3 +313,14 @@ def test_a_dead_end_keeps_what_streamed_and_tells_the_client(served):
     assert "grammar" in str(e.value)
     short = served.chat.completions.create(model="demo", messages=ASK, response_format=RF, max_tokens=3)
     assert short.choices[0].finish_reason == "length"
+
+
+def test_json_output_closes_a_reasoning_block_the_template_opens():
+    """Qwen3.5's template leaves the answer inside <think>: JSON is the answer, so it is closed first."""
+    from mawforge.engine.chat import ChatTemplate
+    from mawforge.serve.chatreq import ChatFront, parse_chat_options
+    front = ChatFront(ChatTemplate(_template("Qwen3.5-4B"), "", "<|im_end|>"))
+    free = front.prepare(parse_chat_options({}, ASK))
+    turn = front.prepare(parse_chat_options({"response_format": RF}, ASK))
+    assert free.prompt.rstrip().endswith("<think>") and turn.prompt == free.prompt + "</think>\n\n"
+    assert turn.parser.mode == "content"

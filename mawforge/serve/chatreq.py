@@ -45,6 +45,7 @@ class ChatOptions:
     named: str | None = None
     template_kwargs: dict = field(default_factory=dict)
     reasoning_format: str | None = None        # None: the server's
+    json_output: bool = False                  # response_format asks for JSON (serve/structured.py)
 
 
 @dataclass
@@ -190,7 +191,9 @@ def parse_chat_options(body: dict, messages) -> ChatOptions:
     fmt = body.get("reasoning_format")
     if fmt is not None and fmt not in REASONING_FORMATS:
         raise ApiError(400, f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}", param="reasoning_format")
-    return ChatOptions(_messages(list(messages)), tools, choice, named, kwargs, fmt)
+    rf = body.get("response_format")
+    json_output = isinstance(rf, dict) and rf.get("type") in ("json_object", "json_schema")
+    return ChatOptions(_messages(list(messages)), tools, choice, named, kwargs, fmt, json_output)
 
 
 # ---- the server side ----------------------------------------------------------------------
@@ -230,6 +233,10 @@ class ChatFront:
             parser.feed(prefill)
             forced = tuple((i, t) for i, t in enumerate(o.tools) if o.named in (None, t["function"]["name"]))
             return Turn(prompt, parser, forced, o.named)     # serve/structured.py constrains what follows
+        if o.json_output and opens:          # JSON is the answer, not the thought: close the block first
+            prefill = fmt.think[0][1] + "\n\n"
+            prompt += prefill
+            parser.feed(prefill)
         return Turn(prompt, parser)
 
 
