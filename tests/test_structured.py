@@ -103,6 +103,27 @@ def test_a_schema_walk_accepts_valid_json_and_refuses_the_rest(tokenizers, sourc
     assert bad.validate_tokens(ids) < len(ids)
 
 
+def test_qwen_xml_calls_follow_the_schema_and_parse_back(tokenizers):
+    """Qwen3.5 / Qwen3-Coder: raw-text strings (enums enforced), JSON for other types."""
+    tok = tokenizers("hf-qwen3")
+    v, fmt = C.token_vocab(tok, tok.vocab_size), FORMATS["qwen-xml"]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "required": ["city"], "properties": {
+            "city": {"type": "string"}, "unit": {"type": "string", "enum": ["°C", "°F"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 9}}}}}, TOOLS[1]]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    grammar = tool_grammar(fmt, tuple(enumerate(tools)), None, v)
+    cases = [("get_weather", {"city": "New <York>", "days": 3}, True), ("get_weather", {"city": "Zürich", "unit": "°C"}, True),
+             ("search", {"q": "日本 <b>"}, True), ("search", {}, False), ("get_weather", {"city": "Paris", "unit": "K"}, False), ("get_weather", {}, False)]
+    for name, args, ok in cases:
+        body = "".join(f"<parameter={k}>\n{v_}\n</parameter>\n" for k, v_ in args.items())
+        m = C.compile_grammar(v, grammar)
+        ids = v.encode(f"{name}>\n{body}</function>\n</tool_call>")
+        assert (m.consume_tokens(ids) and m.is_stopped()) == ok, (name, args)
+        if ok:
+            assert fmt.parse(f"<function={name}>\n{body}</function>", schemas) == [(name, args)]
+
+
 def test_each_json_call_format_is_the_prefix_plus_a_head_and_its_grammar_takes_a_call(tokenizers):
     v = C.token_vocab(tokenizers("hf-gpt_oss"), tokenizers("hf-gpt_oss").vocab_size)   # harmony specials
     args = {"city": "Zürich", "unit": "°C"}

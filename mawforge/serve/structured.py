@@ -31,7 +31,7 @@ JSON_CALLS: dict[str, tuple[Callable[[str], str], str]] = {
 
 
 def constrained_formats() -> tuple[str, ...]:
-    return tuple(JSON_CALLS)
+    return (*JSON_CALLS, "qwen-xml")
 
 
 def response_grammar(fmt: dict | None) -> str | None:
@@ -43,24 +43,53 @@ def response_grammar(fmt: dict | None) -> str | None:
 
 
 def _schema(tool: dict) -> tuple[dict, bool]:
+    """A function's parameters schema and whether it is compiled leniently (not strict)."""
     fn = tool["function"]
     return fn.get("parameters") or {"type": "object"}, not fn.get("strict", False)
 
 
 def tool_grammar(fmt: ToolFormat, forced: tuple, named: str | None, vocab: C.Vocab) -> str | None:
-    """The Lark grammar of what follows the call opening in the prompt; None where the format's
-    arguments are not JSON (the opening alone forces the call)."""
-    if fmt.name not in JSON_CALLS or not forced:
+    """The Lark grammar of what follows the call opening in the prompt; None for a format that is
+    not constrained (the opening alone forces the call)."""
+    if not forced or fmt.name not in constrained_formats():
         return None
-    head, tail = JSON_CALLS[fmt.name]
+    if fmt.name == "qwen-xml":
+        head, tail, body = (lambda n: f"{n}>\n"), "</function>\n</tool_call>", _xml_params
+    else:
+        (head, tail), body = JSON_CALLS[fmt.name], _json_args
     rules, alts = [], []
     for k, (_, tool) in enumerate(forced):
-        schema, lenient = _schema(tool)
         parts = [] if named is not None else [vocab.literal(head(tool["function"]["name"]))]
         parts += [f"args_{k}"] + ([vocab.literal(tail)] if tail else [])
-        rules += [f"call_{k}: {' '.join(parts)}", f"args_{k}: {C.json_in_lark(schema, lenient)}"]
+        rules += [f"call_{k}: {' '.join(parts)}"] + body(f"args_{k}", *_schema(tool), vocab)
         alts.append(f"call_{k}")
     return C.lark_grammar("\n".join([f"start: {' | '.join(alts)}"] + rules))
+
+
+def _json_args(rule: str, schema: dict, lenient: bool, vocab: C.Vocab) -> list[str]:
+    return [f"{rule}: {C.json_in_lark(schema, lenient)}"]
+
+
+def _xml_params(rule: str, schema: dict, lenient: bool, vocab: C.Vocab) -> list[str]:
+    """Qwen3.5 / Qwen3-Coder: one <parameter=KEY>\nVALUE\n</parameter>\n per property, in the
+    schema's order, the required ones mandatory. A string is raw text (its enum enforced, not its
+    length or pattern); any other value is compact JSON for its schema."""
+    props, required = schema.get("properties") or {}, set(schema.get("required") or ())
+    items, rules = [], []
+    for j, (key, sub) in enumerate(props.items()):
+        name = f"{rule}_{j}"
+        sub = sub if isinstance(sub, dict) else {}
+        close = vocab.literal("\n</parameter>")
+        if sub.get("type") == "string" and "enum" in sub:
+            value = "(" + " | ".join(vocab.literal(str(e)) for e in sub["enum"]) + f") {close}"
+        elif sub.get("type") == "string":
+            rules.append(f"{name}_text[lazy]: /(?s:.*)\\n<\\/parameter>/")
+            value = f"{name}_text"
+        else:
+            value = f"{C.json_in_lark(sub, lenient)} {close}"
+        rules.append(f"{name}: {vocab.literal(f'<parameter={key}>' + chr(10))} {value} {vocab.literal(chr(10))}")
+        items.append(name if key in required else f"{name}?")
+    return [f"{rule}: {' '.join(items) or chr(34) * 2}"] + rules
 
 
 def _compile(vocab: C.Vocab, grammar: str, param: str) -> C.Constraint:
@@ -87,7 +116,7 @@ def request_constraint(rt, response_format: dict | None, turn) -> C.Constraint |
     forced = turn.forced if turn is not None else ()
     if forced:
         fmt: ToolFormat = turn.parser.fmt
-        if fmt.name not in JSON_CALLS:
+        if fmt.name not in constrained_formats():
             return None
         vocab = C.token_vocab(rt.tokenizer, rt.cfg.vocab)
         try:
