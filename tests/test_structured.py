@@ -103,6 +103,19 @@ def test_a_schema_walk_accepts_valid_json_and_refuses_the_rest(tokenizers, sourc
     assert bad.validate_tokens(ids) < len(ids)
 
 
+def test_a_vocabulary_without_eos_still_ends_when_the_grammar_is_complete():
+    """32 ids (the mask is exactly one word) and no EOS: llguidance gets one past the vocabulary."""
+    tokens = [b"{", b"}", b'"', b"a", b":", b" ", b","] + [bytes([c]) for c in b"bcdefghijklmnopqrstuvwxy"] + [b"z"]
+    v = C.Vocab(tokens, frozenset(), (), {}, lambda text, special: [tokens.index(bytes([c])) for c in text.encode()])
+    c = C.Constraint(v, C.compile_grammar(v, C.json_schema_grammar({"type": "object", "maxProperties": 0})))
+    logits = torch.zeros(len(tokens))
+    for want in (b"{", b"}"):
+        masked = c(logits)
+        assert torch.isfinite(masked).tolist() == [t == want for t in tokens]
+        c.accept(tokens.index(want))
+    assert c.done and c(logits) is logits
+
+
 def test_qwen_xml_calls_follow_the_schema_and_parse_back(tokenizers):
     """Qwen3.5 / Qwen3-Coder: raw-text strings (enums enforced), JSON for other types."""
     tok = tokenizers("hf-qwen3")
@@ -118,7 +131,7 @@ def test_qwen_xml_calls_follow_the_schema_and_parse_back(tokenizers):
     for name, args, ok in cases:
         body = "".join(f"<parameter={k}>\n{v_}\n</parameter>\n" for k, v_ in args.items())
         m = C.compile_grammar(v, grammar)
-        ids = v.encode(f"{name}>\n{body}</function>\n</tool_call>")
+        ids = v.encode(f"{name}>\n{body}</function>\n</tool_call>", True)
         assert (m.consume_tokens(ids) and m.is_stopped()) == ok, (name, args)
         if ok:
             assert fmt.parse(f"<function={name}>\n{body}</function>", schemas) == [(name, args)]
@@ -133,7 +146,7 @@ def test_each_json_call_format_is_the_prefix_plus_a_head_and_its_grammar_takes_a
         forced = tuple(enumerate(TOOLS))
         for named, text in ((None, head("get_weather")), ("get_weather", "")):
             m = C.compile_grammar(v, tool_grammar(fmt, forced[:1] if named else forced, named, v))
-            ids = v.encode(text + json.dumps(args, ensure_ascii=False) + tail)
+            ids = v.encode(text + json.dumps(args, ensure_ascii=False) + tail, True)
             assert m.consume_tokens(ids) and m.is_stopped(), (name, named)
 
 
@@ -181,26 +194,17 @@ def test_json_schema_output_always_validates(runtimes, name, temperature, seed):
 
 
 def test_json_object_output_is_an_object(runtimes):
-    for seed in (1, 2, 3):
-        text, _, last = _run(runtimes["demo"], PROMPT, C.json_schema_grammar({"type": "object"}), max_tokens=200,
-                             temperature=0.7, seed=seed)
-        assert last.finish_reason in ("stop", "length")
+    """Any object: a weak model may keep a string going until max_tokens ("length"); whatever
+    ends with "stop" is an object."""
+    ends = []
+    for temperature, seed in ((0.0, None), (0.7, 1), (0.7, 3), (0.5, 4)):
+        text, _, last = _run(runtimes["demo"], PROMPT, C.json_schema_grammar({"type": "object"}), max_tokens=120,
+                             temperature=temperature, seed=seed)
+        ends.append(last.finish_reason)
+        assert last.finish_reason in ("stop", "length") and "\ufffd" not in text
         if last.finish_reason == "stop":
             assert isinstance(json.loads(text), dict)
-
-
-def test_speculative_output_equals_plain_output_under_a_grammar(runtimes):
-    """The prompt holds JSON, so prompt lookup drafts tokens, and the grammar refuses some of them."""
-    rt = runtimes["demo"]
-    prompt = PROMPT.replace("Describe a city as JSON.", 'Like {"city": "Paris", "name": "The Word was", "n": 12, '
-                            '"tags": ["the", "LORD"]} and {"name": "shepherd", "n": 99}')
-    grammar = C.json_schema_grammar(SCHEMA)
-    plain = _run(rt, prompt, grammar, max_tokens=60, temperature=0.0)
-    spec = Speculator(rt, SpecOptions(mode="ngram", k=4))
-    fast = _run(rt, prompt, grammar, speculative=spec, max_tokens=60, temperature=0.0)
-    assert fast[1] == plain[1] and fast[0] == plain[0]
-    assert fast[2].telemetry.speculative["drafted"] > 0
-    jsonschema.validate(json.loads(plain[0]), SCHEMA)
+    assert ends[0] == "stop"
 
 
 class _Forbidden(Drafter):

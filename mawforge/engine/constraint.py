@@ -56,15 +56,18 @@ class Vocab:
     special: frozenset[int]
     eos: tuple[int, ...]
     text_of: dict[int, str]               # special id -> its text (to find it in a literal)
-    encode: object                        # text -> ids (the runtime's tokenizer, special tokens parsed)
+    encode: object                        # (text, parse_special) -> ids: the runtime's tokenizer
     ll: llg.LLTokenizer = field(init=False)
 
     def __post_init__(self) -> None:
         self.by_bytes = {b: i for i, b in reversed(list(enumerate(self.tokens))) if b and i not in self.special}
         self.longest = max(map(len, self.by_bytes), default=1)
-        eos = list(self.eos) or [len(self.tokens) - 1]
-        wrapper = llg.TokenizerWrapper(_Table(self, eos[0]))
-        self.ll = llg.LLTokenizer(wrapper, eos_token=eos)
+        table = _Table(self)
+        if not self.eos:                  # llguidance needs an EOS id: one past the vocabulary, never sampled
+            table.tokens = self.tokens + [b""]
+            table.special_token_ids.append(len(self.tokens))
+        table.eos_token_id = (self.eos or (len(self.tokens),))[0]
+        self.ll = llg.LLTokenizer(llg.TokenizerWrapper(table), eos_token=list(self.eos) or [table.eos_token_id])
 
     @property
     def n(self) -> int:
@@ -72,7 +75,7 @@ class Vocab:
 
     def tokenize(self, data: bytes) -> list[int]:
         """The runtime's ids when they spell `data` exactly, else a greedy longest-match split."""
-        ids = self.encode(data.decode("utf-8", errors="replace"))
+        ids = self.encode(data.decode("utf-8", errors="replace"), False)
         if b"".join(self.tokens[i] for i in ids) == data:
             return ids
         out, i = [], 0
@@ -90,7 +93,7 @@ class Vocab:
     def literal(self, text: str) -> str:
         """A Lark expression that matches `text`, each special token in it as that token (`<[id]>`)."""
         parts, at = [], 0
-        for i in self.encode(text):
+        for i in self.encode(text, True):
             if i not in self.special:
                 continue
             t = self.text_of[i]
@@ -109,9 +112,9 @@ class Vocab:
 class _Table:
     """What llguidance.TokenizerWrapper reads: tokens, special ids, eos/bos, and a tokenize call."""
 
-    def __init__(self, v: Vocab, eos: int):
+    def __init__(self, v: Vocab):
         self.tokens, self.special_token_ids = v.tokens, sorted(v.special)
-        self.eos_token_id, self.bos_token_id, self.v = eos, None, v
+        self.eos_token_id, self.bos_token_id, self.v = None, None, v
 
     def __call__(self, data: bytes) -> list[int]:
         return self.v.tokenize(data if isinstance(data, bytes) else data.encode())
@@ -183,7 +186,7 @@ def token_vocab(tokenizer, n_vocab: int) -> Vocab:
             special |= set(range(len(tokens), n_vocab))
             tokens = tokens + [b""] * (n_vocab - len(tokens))
         text_of = {i: tokens[i].decode("utf-8", errors="replace") for i in special}
-        encode = lambda s: tokenizer.encode(s, add_special=False, parse_special=True)
+        encode = lambda s, special: tokenizer.encode(s, add_special=False, parse_special=special)
         v = Vocab(tokens, frozenset(special), tuple(sorted(e for e in tokenizer.eos_ids if e < len(tokens))),
                   text_of, encode)
         _CACHE[tokenizer] = v
@@ -229,7 +232,7 @@ class Constraint:
 
     def __init__(self, vocab: Vocab, matcher: llg.LLMatcher):
         self.vocab, self.m = vocab, matcher
-        self.bits = torch.zeros((vocab.n + 31) // 32, dtype=torch.int32)     # [W]
+        self.bits = torch.zeros((vocab.ll.vocab_size + 31) // 32, dtype=torch.int32)     # [W]
         self.n_accepted = 0
         self.past = 0        # tokens accepted after the grammar completed (speculative drafts)
 
