@@ -186,7 +186,8 @@ def token_vocab(tokenizer, n_vocab: int) -> Vocab:
             special |= set(range(len(tokens), n_vocab))
             tokens = tokens + [b""] * (n_vocab - len(tokens))
         text_of = {i: tokens[i].decode("utf-8", errors="replace") for i in special}
-        encode = lambda s, special: tokenizer.encode(s, add_special=False, parse_special=special)
+        ref = weakref.ref(tokenizer)      # the cache holds the tokenizer weakly: no cycle through its value
+        encode = lambda s, special: ref().encode(s, add_special=False, parse_special=special)
         v = Vocab(tokens, frozenset(special), tuple(sorted(e for e in tokenizer.eos_ids if e < len(tokens))),
                   text_of, encode)
         _CACHE[tokenizer] = v

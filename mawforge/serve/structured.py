@@ -30,8 +30,7 @@ JSON_CALLS: dict[str, tuple[Callable[[str], str], str]] = {
 }
 
 
-def constrained_formats() -> tuple[str, ...]:
-    return (*JSON_CALLS, "qwen-xml")
+CONSTRAINED = (*JSON_CALLS, "qwen-xml")     # the formats whose forced calls are constrained end to end
 
 
 def response_grammar(fmt: dict | None) -> str | None:
@@ -51,7 +50,7 @@ def _schema(tool: dict) -> tuple[dict, bool]:
 def tool_grammar(fmt: ToolFormat, forced: tuple, named: str | None, vocab: C.Vocab) -> str | None:
     """The Lark grammar of what follows the call opening in the prompt; None for a format that is
     not constrained (the opening alone forces the call)."""
-    if not forced or fmt.name not in constrained_formats():
+    if not forced or fmt.name not in CONSTRAINED:
         return None
     if fmt.name == "qwen-xml":
         head, tail, body = (lambda n: f"{n}>\n"), "</function>\n</tool_call>", _xml_params
@@ -116,7 +115,7 @@ def request_constraint(rt, response_format: dict | None, turn) -> C.Constraint |
     forced = turn.forced if turn is not None else ()
     if forced:
         fmt: ToolFormat = turn.parser.fmt
-        if fmt.name not in constrained_formats():
+        if fmt.name not in CONSTRAINED:
             return None
         vocab = C.token_vocab(rt.tokenizer, rt.cfg.vocab)
         try:
