@@ -114,6 +114,10 @@ def test_a_vocabulary_without_eos_still_ends_when_the_grammar_is_complete():
         assert torch.isfinite(masked).tolist() == [t == want for t in tokens]
         c.accept(tokens.index(want))
     assert c.done and c(logits) is logits
+    fresh = C.Constraint(v, C.compile_grammar(v, C.json_schema_grammar({"type": "object", "maxProperties": 0})))
+    twin = fresh.fork()
+    fresh.accept(0)
+    assert torch.isfinite(twin(logits)).tolist() == [t == b"{" for t in tokens] and not fresh.done
 
 
 def test_qwen_xml_calls_follow_the_schema_and_parse_back(tokenizers):

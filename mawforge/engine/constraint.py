@@ -241,6 +241,12 @@ class Constraint:
     def done(self) -> bool:
         return self.m.is_stopped() and not self.m.is_error()
 
+    def fork(self) -> "Constraint":
+        """An independent copy in the same state (one per choice when a prompt has several)."""
+        c = Constraint(self.vocab, self.m.deep_copy())
+        c.n_accepted, c.past = self.n_accepted, self.past
+        return c
+
     def disallowed(self) -> torch.Tensor:
         """The ids the grammar forbids at the next position, bool [V]. Raises GrammarDeadEnd."""
         self.m.unsafe_compute_mask_ptr(self.bits.data_ptr(), self.bits.numel() * 4)
