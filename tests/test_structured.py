@@ -141,6 +141,37 @@ def test_qwen_xml_calls_follow_the_schema_and_parse_back(tokenizers):
             assert fmt.parse(f"<function={name}>\n{body}</function>", schemas) == [(name, args)]
 
 
+def test_strict_tools_under_auto_constrain_only_a_call_the_model_opens(tokenizers):
+    from mawforge.serve.structured import _open_token
+    tok = tokenizers("hf-qwen3")                        # <tool_call> is one added (special) token
+    v, fmt = C.token_vocab(tok, tok.vocab_size), FORMATS["qwen-json"]
+    opener = _open_token(fmt, v)
+    assert opener == tok.token_id("<tool_call>") and _open_token(FORMATS["llama3"], v) is None
+    t = C.Triggered(opener, C.Constraint(v, C.compile_grammar(v, tool_grammar(fmt, tuple(enumerate(TOOLS)), None, v,
+                                                                                lead="\n"))))
+    logits = torch.zeros(v.n)
+    for i in v.encode("Let me check. ", False):
+        assert t(logits) is logits
+        t.accept(i)
+    t.accept(opener)
+    call = '\n{"name": "get_weather", "arguments": {"city": "Zürich", "unit": "°C"}}\n</tool_call>'
+    for i in v.encode(call, True):
+        assert bool(torch.isfinite(t(logits))[i]) and not t.done
+        t.accept(i)
+    assert t.done
+    t.rollback(len(v.encode(call, True)) + 1)            # back before the opener: free again
+    assert t(logits) is logits and not t.done
+    t.accept(opener)
+    bad = v.encode('\n{"name": "get_weather", "arguments": {"city": "Zürich", "unit": "K"}}', True)
+    allowed = []
+    for i in bad:
+        allowed.append(bool(torch.isfinite(t(logits))[i]))
+        if not allowed[-1]:
+            break
+        t.accept(i)
+    assert not all(allowed)
+
+
 def test_each_json_call_format_is_the_prefix_plus_a_head_and_its_grammar_takes_a_call(tokenizers):
     v = C.token_vocab(tokenizers("hf-gpt_oss"), tokenizers("hf-gpt_oss").vocab_size)   # harmony specials
     args = {"city": "Zürich", "unit": "°C"}

@@ -280,3 +280,35 @@ class Constraint:
         if n - k:
             self.m.rollback(n - k)
             self.n_accepted -= n - k
+
+
+class Triggered:
+    """Free output until the model emits `trigger` (a call's opening token), then `inner`'s grammar
+    (tool_choice "auto" with strict functions). A LogitsProcessor too; rollback across the trigger
+    frees the output again."""
+
+    def __init__(self, trigger: int, inner: Constraint):
+        self.trigger, self.inner = trigger, inner
+        self.n, self.at = 0, None            # tokens accepted; how many there were when the trigger came
+
+    @property
+    def done(self) -> bool:
+        return self.at is not None and self.inner.done
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits if self.at is None else self.inner(logits)
+
+    def accept(self, token: int) -> None:
+        self.n += 1
+        if self.at is not None:
+            self.inner.accept(token)
+        elif token == self.trigger:
+            self.at = self.n
+
+    def rollback(self, n: int) -> None:
+        if self.at is not None:
+            inside = self.n - self.at                  # tokens the inner grammar accepted
+            self.inner.rollback(min(n, inside))
+            if n > inside:
+                self.at = None
+        self.n -= n

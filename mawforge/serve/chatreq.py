@@ -54,6 +54,7 @@ class Turn:
     parser: OutputParser
     forced: tuple = ()             # (index in tools, tool) the output must call (tool_choice required/named)
     named: str | None = None       # the named function, whose call opening is in the prompt
+    offered: tuple = ()            # the tools under tool_choice "auto" (strict ones: serve/structured.py)
 
 
 # ---- request validation -------------------------------------------------------------------
@@ -237,7 +238,7 @@ class ChatFront:
             prefill = fmt.think[0][1] + "\n\n"
             prompt += prefill
             parser.feed(prefill)
-        return Turn(prompt, parser)
+        return Turn(prompt, parser, offered=tuple(tools or ()))
 
 
 def message(content: str, reasoning: str | None, calls: list[ToolCall]) -> dict:

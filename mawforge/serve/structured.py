@@ -4,10 +4,12 @@ the engine's Constraint (engine/constraint.py, llguidance).
     proc = request_constraint(rt, req.response_format, turn)    # None, or a Constraint; 400s as ApiError
     generate(rt, ids, params, processors=[proc])
 
-Two sources: `response_format` (protocol.parse_response_format's shape: json_object, json_schema)
-and a forced tool call (tool_choice "required" or a named function): chatreq.py writes the call's
+Three sources: `response_format` (protocol.parse_response_format's shape: json_object, json_schema);
+a forced tool call (tool_choice "required" or a named function): chatreq.py writes the call's
 opening into the prompt, and the grammar here forces the rest in the model's own call syntax, with
-arguments matching the function's JSON Schema. A forced call wins over response_format.
+arguments matching the function's JSON Schema; and, under tool_choice "auto" with a `strict`
+function, a call the model opens itself. A forced call wins over response_format, which wins
+over the strict-auto one.
 """
 from __future__ import annotations
 
@@ -47,9 +49,9 @@ def _schema(tool: dict) -> tuple[dict, bool]:
     return fn.get("parameters") or {"type": "object"}, not fn.get("strict", False)
 
 
-def tool_grammar(fmt: ToolFormat, forced: tuple, named: str | None, vocab: C.Vocab) -> str | None:
-    """The Lark grammar of what follows the call opening in the prompt; None for a format that is
-    not constrained (the opening alone forces the call)."""
+def tool_grammar(fmt: ToolFormat, forced: tuple, named: str | None, vocab: C.Vocab, lead: str = "") -> str | None:
+    """The Lark grammar of what follows the call opening in the prompt (`lead`: text before the
+    calls); None for a format that is not constrained (the opening alone forces the call)."""
     if not forced or fmt.name not in CONSTRAINED:
         return None
     if fmt.name == "qwen-xml":
@@ -62,7 +64,8 @@ def tool_grammar(fmt: ToolFormat, forced: tuple, named: str | None, vocab: C.Voc
         parts += [f"args_{k}"] + ([vocab.literal(tail)] if tail else [])
         rules += [f"call_{k}: {' '.join(parts)}"] + body(f"args_{k}", *_schema(tool), vocab)
         alts.append(f"call_{k}")
-    return C.lark_grammar("\n".join([f"start: {' | '.join(alts)}"] + rules))
+    start = f"start: {vocab.literal(lead)} ({' | '.join(alts)})" if lead else f"start: {' | '.join(alts)}"
+    return C.lark_grammar("\n".join([start] + rules))
 
 
 def _json_args(rule: str, schema: dict, lenient: bool, vocab: C.Vocab) -> list[str]:
@@ -109,8 +112,35 @@ def _tool_culprit(vocab: C.Vocab, forced: tuple) -> str:
     return "tools"
 
 
-def request_constraint(rt, response_format: dict | None, turn) -> C.Constraint | None:
-    """The request's Constraint, or None when its output is free. Raises ApiError (400) naming
+def _open_token(fmt: ToolFormat, vocab: C.Vocab) -> int | None:
+    """The special token that opens this format's calls, if one token does."""
+    if not fmt.open or not fmt.prefix(None).startswith(fmt.open[0]):
+        return None
+    ids = vocab.encode(fmt.open[0], True)
+    return ids[0] if len(ids) == 1 and ids[0] in vocab.special else None
+
+
+def strict_auto(rt, turn) -> C.Triggered | None:
+    """tool_choice "auto" with a strict function: a call the model opens (with its format's single
+    opening token) is constrained like a forced one, over every tool; text stays free."""
+    tools = turn.offered if turn is not None else ()
+    if not tools or not any(t["function"].get("strict") for t in tools) or turn.parser.fmt.name not in CONSTRAINED:
+        return None
+    fmt, vocab = turn.parser.fmt, C.token_vocab(rt.tokenizer, rt.cfg.vocab)
+    trigger = _open_token(fmt, vocab)
+    if trigger is None:
+        return None
+    forced = tuple(enumerate(tools))
+    grammar = tool_grammar(fmt, forced, None, vocab, lead=fmt.prefix(None)[len(fmt.open[0]):])
+    try:
+        return C.Triggered(trigger, C.Constraint(vocab, C.compile_grammar(vocab, grammar)))
+    except C.GrammarError as e:
+        param = _tool_culprit(vocab, forced)
+        raise ApiError(400, f"{param}: {e}", param=param, code="invalid_schema") from None
+
+
+def request_constraint(rt, response_format: dict | None, turn) -> C.Constraint | C.Triggered | None:
+    """The request's logits processor, or None when its output is free. Raises ApiError (400) naming
     `response_format` or `tools[i].function.parameters` when llguidance refuses the schema."""
     forced = turn.forced if turn is not None else ()
     if forced:
@@ -124,7 +154,7 @@ def request_constraint(rt, response_format: dict | None, turn) -> C.Constraint |
             param = _tool_culprit(vocab, forced)
             raise ApiError(400, f"{param}: {e}", param=param, code="invalid_schema") from None
     if response_format is None:
-        return None
+        return strict_auto(rt, turn)
     vocab = C.token_vocab(rt.tokenizer, rt.cfg.vocab)
     try:
         grammar = response_grammar(response_format)
