@@ -36,8 +36,6 @@ def timed(constraint):
     from mawforge.engine.constraint import Constraint
 
     class Timed(Constraint):
-        seconds: list = []
-
         def __call__(self, logits):
             t = time.perf_counter()
             out = super().__call__(logits)

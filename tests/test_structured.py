@@ -222,7 +222,7 @@ PROMPT = "<|im_start|>user\nDescribe a city as JSON.<|im_end|>\n<|im_start|>assi
 @pytest.mark.parametrize("name", ["demo", "qwen3_moe-gguf", "mixtral-gguf", "mixtral-hf"])
 @pytest.mark.parametrize("temperature,seed", [(0.0, None), (0.9, 1), (1.2, 2)])
 def test_json_schema_output_always_validates(runtimes, name, temperature, seed):
-    text, tokens, last = _run(runtimes[name], PROMPT, C.json_schema_grammar(SCHEMA), max_tokens=120,
+    text, _, last = _run(runtimes[name], PROMPT, C.json_schema_grammar(SCHEMA), max_tokens=120,
                               temperature=temperature, seed=seed)
     assert last.finish_reason == "stop" and "\ufffd" not in text
     jsonschema.validate(json.loads(text), SCHEMA)
@@ -257,7 +257,7 @@ class _Forbidden(Drafter):
 def test_drafts_the_grammar_forbids_are_rejected_and_sampled_drafts_stay_valid(runtimes):
     rt = runtimes["demo"]
     grammar, n_prompt = C.json_schema_grammar(SCHEMA), len(rt.tokenizer.encode(PROMPT))
-    text, plain, _ = _run(rt, PROMPT, grammar, max_tokens=60, temperature=0.0)
+    _, plain, _ = _run(rt, PROMPT, grammar, max_tokens=60, temperature=0.0)
     bad = rt.tokenizer.token_id("<|im_start|>")
     spec = Speculator(rt, SpecOptions(mode="ngram", k=4), _drafter=_Forbidden(plain, n_prompt, bad))
     same = _run(rt, PROMPT, grammar, speculative=spec, max_tokens=60, temperature=0.0)

@@ -23,13 +23,13 @@ import numpy as np
 import torch
 
 from mawforge.engine import pretok
-from mawforge.engine.llama_vocab import BYTE, CONTROL, UNKNOWN, UNUSED, USER_DEFINED, GgufVocab
+from mawforge.engine.llama_vocab import CONTROL, UNKNOWN, UNUSED, USER_DEFINED, GgufVocab
 from mawforge.errors import RequestError, UnsupportedError
 
 MAX_GRAMMAR_CHARS = 256 * 1024        # a schema or grammar text larger than this is refused unread
 # llguidance's own bounds on compiling and on each step (its defaults allow ~500 MB of lexer states)
-LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
-              step_max_items=50_000, max_lexer_states=50_000, max_grammar_size=20_000, verbose_errors=False)
+LIMITS = {"max_items_in_row": 2000, "initial_lexer_fuel": 1_000_000, "step_lexer_fuel": 200_000,
+          "step_max_items": 50_000, "max_lexer_states": 50_000, "max_grammar_size": 20_000, "verbose_errors": False}
 # Output JSON as models usually write it (json.dumps's separators), without free whitespace, which
 # a weak model could otherwise repeat until max_tokens.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -122,13 +122,11 @@ class _Table:
 
 def _gguf_bytes(vocab: GgufVocab) -> tuple[list[bytes], set[int]]:
     """token_to_piece bytes; control, unknown and unused ids, and user-defined `<...>` markers are
-    special (as llguidance's own llama.cpp adapter marks them)."""
+    special (as llguidance's own llama.cpp adapter marks them; token_vocab adds the empty ones)."""
     tokens, special = [], set()
     for i in range(len(vocab.tokens)):
         b, a = vocab.piece(i), vocab.attrs[i]
         if a & (CONTROL | UNKNOWN | UNUSED) or (a & USER_DEFINED and b.startswith(b"<") and b.endswith(b">")):
-            special.add(i)
-        elif not a & BYTE and not b:
             special.add(i)
         tokens.append(b)
     return tokens, special
@@ -166,7 +164,7 @@ def _hf_bytes(tok) -> tuple[list[bytes], set[int]]:
     return tokens, special
 
 
-_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
@@ -241,7 +239,7 @@ class Constraint:
     def done(self) -> bool:
         return self.m.is_stopped() and not self.m.is_error()
 
-    def fork(self) -> "Constraint":
+    def fork(self) -> Constraint:
         """An independent copy in the same state (one per choice when a prompt has several)."""
         c = Constraint(self.vocab, self.m.deep_copy())
         c.n_accepted, c.past = self.n_accepted, self.past

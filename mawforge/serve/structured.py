@@ -13,7 +13,7 @@ over the strict-auto one.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from mawforge.engine import constraint as C
 from mawforge.serve.protocol import ApiError
