@@ -120,7 +120,7 @@ class Model:
     One generation runs at a time; a second one started while a stream is open raises Busy."""
 
     def __init__(self, runtime: Runtime, speculator=None, chat_template: str | None = None):
-        """`speculator`: an engine.speculative.Speculator over this runtime (closed with the model)."""
+        """`speculator`: an speculative.decode.Speculator over this runtime (closed with the model)."""
         self.runtime, self.speculator = runtime, speculator
         self._lock = threading.Lock()
         self._busy = False

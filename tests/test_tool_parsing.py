@@ -1,4 +1,4 @@
-"""serve/tools.py + serve/outparse.py: each family's tool-call and reasoning output, written as
+"""text/tools.py + text/outparse.py: each family's tool-call and reasoning output, written as
 the model writes it (the markers its template teaches), split into content, reasoning_content
 and tool calls; fed whole and in small pieces, the answer must be the same (streaming cuts)."""
 import json

@@ -99,12 +99,15 @@ def validate(rt: Runtime, prompt: list[int], params: SamplingParams) -> None:
 
 
 def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
-             cancelled: Callable[[], bool] = lambda: False, speculative=None) -> Iterator[Event]:
+             cancelled: Callable[[], bool] = lambda: False, speculative=None,
+             processors: tuple = ()) -> Iterator[Event]:
     """`speculative`: anything with `decoder(prompt, params, sampler) -> Decoder` (a
     speculative.decode.Speculator), or None for plain decoding. Either way each step returns
-    the next tokens (one, or accepted drafts plus one) and they stream alike."""
+    the next tokens (one, or accepted drafts plus one) and they stream alike.
+    `processors`: the request's sampling.LogitsProcessors (e.g. engine.constraint.Constraint); one
+    that reports `done` (a complete grammar) ends the choice with "stop"."""
     validate(rt, prompt, params)
-    sampler, detok, scan = Sampler(params), Detokenizer(rt.tokenizer), _StopScanner(params.stop)
+    sampler, detok, scan = Sampler(params, list(processors)), Detokenizer(rt.tokenizer), _StopScanner(params.stop)
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else rt.tokenizer.eos_ids)
     before = rt.cache.stats()
     emb_before = rt.weights.embedding_bytes_read
@@ -135,6 +138,9 @@ def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
                     text, hit = scan.feed(detok.push(tok))
                     if hit:
                         reason = "stop"
+                    elif sampler.done:
+                        reason = "stop"
+                        text += scan.flush()
                 if reason is None and n >= params.max_tokens:
                     reason = "length"
                 if reason is None and len(prompt) + n > rt.opts.context:   # no position left to run tok

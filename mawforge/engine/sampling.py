@@ -74,6 +74,11 @@ class Sampler:
         for proc in self.processors:
             proc.accept(token)
 
+    @property
+    def done(self) -> bool:
+        """A processor says the output is complete (a grammar in its final state)."""
+        return any(getattr(proc, "done", False) for proc in self.processors)
+
     def rollback(self, n: int) -> None:
         if n:
             for proc in self.processors:

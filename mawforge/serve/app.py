@@ -39,6 +39,7 @@ from mawforge.serve import protocol as P
 from mawforge.serve.chatreq import (ChatDefaults, ChatFront, Turn, finish_reason, parse_chat_options, shape_choice,
                                     stream_chunks)
 from mawforge.serve.servecli import add_chat_arguments, chat_settings
+from mawforge.serve.structured import request_constraint
 from mawforge.serve.dashboard import Board
 from mawforge.serve.metrics import Metrics
 from mawforge.serve.responses import ResponsesApi, ResponseStore, add_responses_arguments, store_from_args
@@ -141,9 +142,9 @@ class Api:
             raise P.ApiError(400, f"token id {bad[0]} is outside the vocabulary of {vocab}", param="prompt")
         return list(req.prompt_ids)
 
-    def _prepare(self, kind: str, raw: bytes) -> tuple[P.ApiRequest, list[int], Turn | None, dict]:
+    def _prepare(self, kind: str, raw: bytes) -> tuple[P.ApiRequest, list[int], Turn | None, dict, tuple]:
         """Off the event loop: bounded JSON parsing, the request's checks, the chat template,
-        tokenization."""
+        tokenization, the output grammar (its logits processors)."""
         body = limits.parse_json(raw)
         req = P.parse_request(kind, body, self.model_id, self.max_tokens_default)
         req = limits.check_request(req, body, self.rt.opts.context, self.rt.cfg.vocab)
@@ -154,15 +155,16 @@ class Api:
         except RequestError as e:
             code = "context_length_exceeded" if "context" in str(e) else None
             raise P.ApiError(400, str(e), param="messages" if kind == "chat" else "prompt", code=code) from None
-        return req, ids, turn, body
+        constraint = request_constraint(self.rt, req.response_format, turn)
+        return req, ids, turn, body, () if constraint is None else (constraint,)
 
     async def _admit(self, kind: str, rid: str, request: Request) -> tuple[P.ApiRequest, Job, Turn | None]:
         self._auth(request)
         raw = await limits.read_body(request, self.max_body_bytes)
-        req, ids, turn, body = await asyncio.get_running_loop().run_in_executor(self.admit_pool, self._prepare,
-                                                                                kind, raw)
+        req, ids, turn, body, procs = await asyncio.get_running_loop().run_in_executor(self.admit_pool,
+                                                                                      self._prepare, kind, raw)
         params, spec = self._forced(body, req)
-        job = Job(rid, req.endpoint, ids, params, Channel(), stream=req.stream, speculative=spec)
+        job = Job(rid, req.endpoint, ids, params, Channel(), stream=req.stream, speculative=spec, processors=procs)
         try:
             self.worker.submit(job)
         except QueueFull as e:

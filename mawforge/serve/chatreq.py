@@ -5,7 +5,7 @@ template switches, render the prompt through the model's template, and shape the
     chat = ChatFront(tokenizer, ChatDefaults(...))             # once per server
     opts = parse_chat_options(body, messages)                  # per request (raises ApiError)
     turn = chat.prepare(opts)                                  # prompt text + an OutputParser
-The output format (markers, parser) comes from the template: serve/tools.py.
+The output format (markers, parser) comes from the template: text/tools.py.
 """
 from __future__ import annotations
 
@@ -45,12 +45,16 @@ class ChatOptions:
     named: str | None = None
     template_kwargs: dict = field(default_factory=dict)
     reasoning_format: str | None = None        # None: the server's
+    json_output: bool = False                  # response_format asks for JSON (serve/structured.py)
 
 
 @dataclass
 class Turn:
     prompt: str
     parser: OutputParser
+    forced: tuple = ()             # (index in tools, tool) the output must call (tool_choice required/named)
+    named: str | None = None       # the named function, whose call opening is in the prompt
+    offered: tuple = ()            # the tools under tool_choice "auto" (strict ones: serve/structured.py)
 
 
 # ---- request validation -------------------------------------------------------------------
@@ -188,7 +192,9 @@ def parse_chat_options(body: dict, messages) -> ChatOptions:
     fmt = body.get("reasoning_format")
     if fmt is not None and fmt not in REASONING_FORMATS:
         raise ApiError(400, f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}", param="reasoning_format")
-    return ChatOptions(_messages(list(messages)), tools, choice, named, kwargs, fmt)
+    rf = body.get("response_format")
+    json_output = isinstance(rf, dict) and rf.get("type") in ("json_object", "json_schema")
+    return ChatOptions(_messages(list(messages)), tools, choice, named, kwargs, fmt, json_output)
 
 
 # ---- the server side ----------------------------------------------------------------------
@@ -221,12 +227,18 @@ class ChatFront:
         parser = OutputParser(fmt, schemas, reasoning=reasoning, tools=bool(tools),
                               start_in_reasoning=reasoning and opens)
         if o.choice in ("required", "named") and fmt.parse is not None:
-            # No grammar here: the call is forced by writing its opening into the prompt, and
-            # the parser reads that opening as if the model had written it.
+            # The call's opening is written into the prompt, and the parser reads it as if the
+            # model had written it; the rest is constrained where the format allows (structured.py).
             prefill = (fmt.think[0][1] + "\n\n" if opens else "") + fmt.prefix(o.named)
             prompt += prefill
             parser.feed(prefill)
-        return Turn(prompt, parser)
+            forced = tuple((i, t) for i, t in enumerate(o.tools) if o.named in (None, t["function"]["name"]))
+            return Turn(prompt, parser, forced, o.named)     # serve/structured.py constrains what follows
+        if o.json_output and opens:          # JSON is the answer, not the thought: close the block first
+            prefill = fmt.think[0][1] + "\n\n"
+            prompt += prefill
+            parser.feed(prefill)
+        return Turn(prompt, parser, offered=tuple(tools or ()))
 
 
 def message(content: str, reasoning: str | None, calls: list[ToolCall]) -> dict:

@@ -19,7 +19,7 @@ ENDPOINTS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 # Fields we cannot honour: refusing them is better than answering something else than asked.
 _UNSUPPORTED = {
-    "chat": ("functions", "function_call", "response_format", "logit_bias"),   # tools: serve/chatreq.py
+    "chat": ("functions", "function_call", "logit_bias"),   # tools: serve/chatreq.py
     "completion": ("suffix", "logit_bias"),
 }
 
@@ -56,6 +56,7 @@ class ApiRequest:
     prompt: str | None = None          # completion, as text
     prompt_ids: tuple[int, ...] = ()   # completion, given as token ids
     speculative: str | None = None     # per-request speculative mode (None: the server's setting)
+    response_format: dict | None = None  # parse_response_format's shape (None: free text)
 
     @property
     def endpoint(self) -> str:
@@ -162,6 +163,40 @@ def _prompt(v) -> tuple[str | None, tuple[int, ...]]:
     raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
 
 
+_FORMAT_NAME = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+MAX_SCHEMA_CHARS = 256 * 1024
+
+
+def parse_response_format(v, param: str = "response_format") -> dict | None:
+    """OpenAI's response_format (or the Responses API's text.format, flattened by the caller) as
+    None (text: no constraint), {"type": "json_object"} or {"type": "json_schema", "name", "schema",
+    "strict"}. serve/structured.py turns it into a grammar."""
+    if v is None:
+        return None
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind != "json_schema":
+        raise ApiError(400, f'{param} must be {{"type": "text" | "json_object" | "json_schema", ...}}', param=param)
+    spec = v.get("json_schema", v)           # chat nests it; text.format is flat
+    if not isinstance(spec, dict):
+        raise ApiError(400, f"{param}.json_schema must be an object", param=param)
+    name, schema, strict = spec.get("name"), spec.get("schema", {}), spec.get("strict")
+    if not isinstance(name, str) or not 1 <= len(name) <= 64 or set(name) - _FORMAT_NAME:
+        raise ApiError(400, f"{param}.json_schema.name must be 1-64 of [a-zA-Z0-9_-]", param=param)
+    if not isinstance(schema, dict):
+        raise ApiError(400, f"{param}.json_schema.schema must be a JSON Schema object", param=param)
+    if strict is not None and not isinstance(strict, bool):
+        raise ApiError(400, f"{param}.json_schema.strict must be a boolean", param=param)
+    size = len(json.dumps(schema))
+    if size > MAX_SCHEMA_CHARS:
+        raise ApiError(400, f"{param}.json_schema.schema is {size} characters; the limit is {MAX_SCHEMA_CHARS}",
+                       param=param)
+    return {"type": "json_schema", "name": name, "schema": schema, "strict": bool(strict)}
+
+
 def parse_request(kind: str, body: dict, model_id: str, default_max_tokens: int) -> ApiRequest:
     model = body.get("model", model_id)     # lenient: a missing model means the served one
     if model != model_id:
@@ -184,7 +219,8 @@ def parse_request(kind: str, body: dict, model_id: str, default_max_tokens: int)
         if not isinstance(msgs, list) or not msgs:
             raise ApiError(400, "messages must be a non-empty list", param="messages")
         return ApiRequest(kind, model, stream, include_usage, params,
-                          messages=tuple(_message(m, i) for i, m in enumerate(msgs)), speculative=spec)
+                          messages=tuple(_message(m, i) for i, m in enumerate(msgs)), speculative=spec,
+                          response_format=parse_response_format(body.get("response_format")))
     if "prompt" not in body:
         raise ApiError(400, "prompt is required", param="prompt")
     text, ids = _prompt(body["prompt"])

@@ -8,7 +8,7 @@ exactly the Response a non-streamed request gets.
     events += out.finish(finish_reason, telemetry)      # the .done events and the terminal event
     out.response                                        # the Response object (a dict)
 
-An item opens with its first piece (serve/outparse.py cuts the text into reasoning, content and
+An item opens with its first piece (text/outparse.py cuts the text into reasoning, content and
 tool calls) and closes when a piece of another kind arrives or the output ends.
 """
 from __future__ import annotations

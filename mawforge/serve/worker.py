@@ -69,6 +69,7 @@ class Job:
     channel: Channel
     stream: bool = False
     speculative: str | None = None
+    processors: tuple = ()           # sampling.LogitsProcessors (a structured-output Constraint)
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -211,6 +212,8 @@ class EngineWorker:
             kw = {}
             if job.speculative is not None or self.speculator is not None:
                 kw["speculative"] = self._speculator(job.speculative)
+            if job.processors:
+                kw["processors"] = job.processors
             for ev in self.generate(self.rt, job.prompt, job.params, cancelled=job.cancel.is_set, **kw):
                 if ev.telemetry is not None:     # log before the client can see the end
                     tel = ev.telemetry.to_dict()
@@ -219,7 +222,8 @@ class EngineWorker:
                                        queue_s=queue_s)
                 job.channel.put(ev)
         except MawError as e:        # a request the engine refused (validated again there)
-            self._fail(job, Failure(400, str(e), type="invalid_request_error"), queue_s)
+            self._fail(job, Failure(400, str(e), type="invalid_request_error", code=getattr(e, "code", None)),
+                       queue_s)
             return
         except Exception as e:       # a bug: this request fails, the server lives on
             log.exception("request %s failed in the engine", job.request_id)

@@ -1,6 +1,6 @@
 """Tokenizers from the pack: HF tokenizer.json through `tokenizers`, or GGUF metadata through
 llama_vocab.GgufVocab (llama.cpp's own algorithm, exact on its test vectors); chat templates live in
-engine/chat.py."""
+text/chat.py."""
 from __future__ import annotations
 
 import codecs

@@ -3,7 +3,7 @@
 A format says which markers open and close a reasoning block and a tool-call region in the
 model's output, and how a region's text becomes (name, arguments) pairs. The format is chosen
 from the chat template's text (the template is what taught the model its format), so a pack
-needs no extra configuration. serve/outparse.py runs the markers over the token stream.
+needs no extra configuration. text/outparse.py runs the markers over the token stream.
 
     fmt = detect(template_source)           # e.g. FORMATS["qwen-json"]
     fmt.parse(region_text, schemas)         # -> [(name, {args})], ValueError when malformed
