@@ -310,6 +310,17 @@ def test_text_format_maps_to_the_chat_response_format_shape(plain):
     assert r["text"]["format"] == fmt and output_text(r) == '{"a": 1}'
 
 
+def test_text_format_json_schema_constrains_the_output(plain):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "name": "count", "schema": schema, "strict": True}
+    r = plain.create(input="A number?", text={"format": fmt}, max_output_tokens=40, temperature=0)
+    assert r["status"] == "completed" and isinstance(json.loads(output_text(r))["n"], int)
+    events = plain.events(input="A number?", text={"format": {"type": "json_object"}}, max_output_tokens=40,
+                          temperature=0)
+    assert isinstance(json.loads(output_text(events[-1]["response"])), dict)
+
+
 @pytest.mark.parametrize("error,status,code", [(RuntimeError("boom"), 500, "server_error"),
                                                (RequestError("boom: the request's own fault"), 400, "invalid_prompt")])
 def test_an_engine_failure_mid_stream_is_response_failed(rt, error, status, code):

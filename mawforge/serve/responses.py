@@ -28,6 +28,7 @@ from mawforge.serve import protocol as P
 from mawforge.serve.chatreq import Turn, parse_chat_options
 from mawforge.serve.respout import Output, base_response, new_id
 from mawforge.serve.respreq import ResponsesRequest, parse_responses, to_messages
+from mawforge.serve.structured import request_constraint
 from mawforge.serve.worker import Channel, Failure, Job, QueueFull, ShuttingDown
 
 ENDPOINT = "/v1/responses"
@@ -91,6 +92,7 @@ class Prepared:
     turn: Turn
     chat: dict
     conversation: list           # the stored history plus this turn's input items
+    processors: tuple = ()       # the output's grammar (text.format, a forced tool call)
     failure: Failure | None = None   # the engine's, when the answer ended in response.failed
 
 
@@ -150,21 +152,24 @@ class ResponsesApi:
                                  param="previous_response_id", code="previous_response_not_found")
             history = found[1]
         conversation = history + rr.items
-        # rr.response_format is chat's response_format shape; the grammar constraint reads it there
-        chat = {**rr.chat, "messages": to_messages(rr.instructions, conversation, len(history))}
+        chat = {**rr.chat, "messages": to_messages(rr.instructions, conversation, len(history)),
+                "response_format": rr.response_format}
         req = P.parse_request("chat", chat, api.model_id, api.max_tokens_default)
         try:
             turn = api.front.prepare(parse_chat_options(chat, req.messages))
             ids = limits.encode_bounded(rt.tokenizer.encode, turn.prompt, rt.opts.context)
             validate(rt, ids, req.params)
+            constraint = request_constraint(rt, req.response_format, turn)
         except P.ApiError as e:              # the conversation is `input` here, not `messages`
             if e.param in ("messages", None) and e.code in (None, "chat_template_error", "context_length_exceeded"):
                 e.param = "input"
+            if e.param == "response_format":
+                e.param, e.message = "text.format", e.message.replace("response_format", "text.format")
             raise
         except RequestError as e:
             raise P.ApiError(400, str(e), param="input",
                              code="context_length_exceeded" if "context" in str(e) else None) from None
-        return Prepared(rr, req, ids, turn, chat, conversation)
+        return Prepared(rr, req, ids, turn, chat, conversation, () if constraint is None else (constraint,))
 
     async def _admit(self, rid: str, request: Request) -> tuple[Prepared, Job]:
         api = self.api
@@ -172,7 +177,8 @@ class ResponsesApi:
         raw = await limits.read_body(request, api.max_body_bytes)
         pr = await asyncio.get_running_loop().run_in_executor(api.admit_pool, self._prepare, raw)
         params, spec = api._forced(pr.chat, pr.req)
-        job = Job(rid, ENDPOINT, pr.ids, params, Channel(), stream=pr.rr.stream, speculative=spec)
+        job = Job(rid, ENDPOINT, pr.ids, params, Channel(), stream=pr.rr.stream, speculative=spec,
+                  processors=pr.processors)
         try:
             api.worker.submit(job)
         except QueueFull as e:
