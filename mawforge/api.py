@@ -158,10 +158,12 @@ class Model:
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 96, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, seed: int | None = None,
                  stop: str | Sequence[str] = (), stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-                 **extra) -> Iterator[Event]:
+                 response_format: dict | None = None, _turn=None, **extra) -> Iterator[Event]:
         """Text (tokenized with the model's special tokens) or token ids in; a stream of Events
         out, one a token (`token`, its `text`), the last with `finish_reason` and `telemetry`.
-        Validation happens here, before the stream is returned."""
+        `response_format`: OpenAI's ({"type": "json_object"} or {"type": "json_schema",
+        "json_schema": {"name", "schema", "strict"}}): the output is constrained to it token by
+        token (llguidance). Validation happens here, before the stream is returned."""
         self._check_open()
         ids = self._ids(prompt)
         params = self._params(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -169,7 +171,7 @@ class Model:
                               ignore_eos=ignore_eos, **extra)
         from mawforge.engine.generate import validate
         validate(self.runtime, ids, params)
-        return self._stream(ids, params)
+        return self._stream(ids, params, self._processors(response_format, _turn))
 
     def complete(self, prompt: str | Sequence[int], **kw) -> Completion:
         """generate() run to its end: the whole text and tokens."""
@@ -182,14 +184,15 @@ class Model:
         return Completion("".join(texts), toks, last.finish_reason, last.telemetry)
 
     def chat(self, messages: Sequence[dict], *, tools: list | None = None, tool_choice=None,
-             chat_template_kwargs: dict | None = None, reasoning_format: str | None = None,
-             **kw) -> ChatReply:
+             response_format: dict | None = None, chat_template_kwargs: dict | None = None,
+             reasoning_format: str | None = None, **kw) -> ChatReply:
         """One assistant turn through the model's chat template, with the server's tool-call and
-        reasoning parsing (OpenAI message and tool shapes)."""
-        turn = self.chat_turn(messages, tools=tools, tool_choice=tool_choice,
+        reasoning parsing and constraints (OpenAI message, tool and response_format shapes): a
+        forced tool call (tool_choice "required" or a named function) follows its schema."""
+        turn = self.chat_turn(messages, tools=tools, tool_choice=tool_choice, response_format=response_format,
                               chat_template_kwargs=chat_template_kwargs, reasoning_format=reasoning_format)
         texts, toks, last = [], [], None
-        for ev in self.generate(turn.prompt, **kw):
+        for ev in self.generate(turn.prompt, response_format=response_format, _turn=turn, **kw):
             texts.append(ev.text)
             if ev.token is not None:
                 toks.append(ev.token)
@@ -200,13 +203,14 @@ class Model:
         return ChatReply(choice["message"], choice["finish_reason"], last.telemetry, toks)
 
     def chat_turn(self, messages: Sequence[dict], *, tools: list | None = None, tool_choice=None,
-                  chat_template_kwargs: dict | None = None, reasoning_format: str | None = None):
+                  response_format: dict | None = None, chat_template_kwargs: dict | None = None,
+                  reasoning_format: str | None = None):
         """The rendered prompt and output parser of a chat turn (serve/chatreq.py Turn)."""
         self._check_open()
         from mawforge.serve.chatreq import parse_chat_options
         from mawforge.serve.protocol import ApiError
         body = {"tools": tools, "tool_choice": tool_choice, "chat_template_kwargs": chat_template_kwargs,
-                "reasoning_format": reasoning_format}
+                "reasoning_format": reasoning_format, "response_format": response_format}
         try:
             msgs = [self._message(m, i) for i, m in enumerate(messages)]
             if not msgs:
@@ -261,6 +265,18 @@ class Model:
             raise RequestError(f"messages[{i}] must be a dict with a string role")
         return {**m, "content": "" if m.get("content") is None else m["content"]}
 
+    def _processors(self, response_format: dict | None, turn) -> tuple:
+        """The request's constraint, as the server builds it (serve/structured.py)."""
+        if response_format is None and (turn is None or not (turn.forced or turn.offered)):
+            return ()
+        from mawforge.serve.protocol import ApiError, parse_response_format
+        from mawforge.serve.structured import request_constraint
+        try:
+            proc = request_constraint(self.runtime, parse_response_format(response_format), turn)
+        except ApiError as e:
+            raise RequestError(e.message) from None
+        return () if proc is None else (proc,)
+
     def _chat_front(self):
         if self._front is None:
             from mawforge.serve.chatreq import ChatDefaults, ChatFront
@@ -271,14 +287,14 @@ class Model:
             self._front = ChatFront(chat, ChatDefaults())
         return self._front
 
-    def _stream(self, ids: list[int], params: SamplingParams) -> Iterator[Event]:
+    def _stream(self, ids: list[int], params: SamplingParams, processors: tuple = ()) -> Iterator[Event]:
         with self._lock:
             self._check_open()
             if self._busy:
                 raise Busy("a generation is still streaming on this model; finish or close it first")
             self._busy = True
         try:
-            for ev in generate(self.runtime, ids, params, speculative=self.speculator):
+            for ev in generate(self.runtime, ids, params, speculative=self.speculator, processors=processors):
                 if ev.telemetry is not None:
                     self.last_telemetry = ev.telemetry
                 yield ev

@@ -93,22 +93,53 @@ def test_chat_uses_the_template_and_the_servers_parsing(model):
     assert reply.telemetry.prompt_tokens == len(model.encode(turn.prompt))
 
 
-def test_chat_with_a_named_tool_returns_a_tool_call(model):
+@pytest.fixture(scope="module")
+def qwen_model(cache_dir):
+    """The demo pack with Qwen3's real chat template (the llama-cpp-python sdist's copy), whose
+    tool-call format (hermes <tool_call> JSON) the server and the API constrain."""
+    from mawforge.fixtures.sdist_templates import SdistMissing, template_dir
+    try:
+        source = (template_dir() / "Qwen-Qwen3-0.6B.jinja").read_text()
+    except SdistMissing as e:
+        pytest.skip(f"llama-cpp-python sdist not available: {e}")
+    with mawforge.load(demo_gguf("Q4_K_M"), context=512, expert_cache_percent=50, cache_dir=cache_dir,
+                       chat_template=source) as m:
+        yield m
+
+
+def test_chat_with_a_named_tool_returns_a_schema_valid_call(qwen_model):
+    model = qwen_model
+    params = {"type": "object", "properties": {"book": {"enum": ["Genesis", "Exodus"]}, "verse": {"type": "integer",
+              "minimum": 1, "maximum": 99}}, "required": ["book", "verse"], "additionalProperties": False}
     tools = [{"type": "function", "function": {"name": "lookup", "description": "look a verse up",
-                                               "parameters": {"type": "object",
-                                                              "properties": {"ref": {"type": "string"}}}}}]
+                                               "parameters": params}}]
     reply = model.chat([{"role": "user", "content": "Genesis 1:3"}], tools=tools,
-                       tool_choice={"type": "function", "function": {"name": "lookup"}}, max_tokens=40)
-    # the call's opening is forced; a tiny model may or may not close it within 40 tokens
-    if reply.tool_calls:
-        call = reply.tool_calls[0]
-        assert call["function"]["name"] == "lookup" and reply.finish_reason == "tool_calls"
-        json.loads(call["function"]["arguments"])
-    else:
-        assert reply.finish_reason == "length"
+                       tool_choice={"type": "function", "function": {"name": "lookup"}}, max_tokens=60)
+    # the call is forced and its arguments constrained to the schema, as the server does
+    assert reply.finish_reason == "tool_calls" and len(reply.tool_calls) == 1
+    call = reply.tool_calls[0]
+    assert call["function"]["name"] == "lookup"
+    args = json.loads(call["function"]["arguments"])
+    assert args["book"] in ("Genesis", "Exodus") and 1 <= args["verse"] <= 99 and set(args) == {"book", "verse"}
     with pytest.raises(RequestError, match="tool_choice"):
         model.chat([{"role": "user", "content": "x"}], tools=tools,
                    tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_response_format_constrains_generate_and_chat(model):
+    schema = {"type": "object", "properties": {"book": {"type": "string", "maxLength": 12},
+                                               "verse": {"type": "integer", "minimum": 1, "maximum": 99}},
+              "required": ["book", "verse"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "ref", "schema": schema, "strict": True}}
+    out = model.complete("Genesis 1:3 as JSON:", max_tokens=60, response_format=fmt)
+    assert out.finish_reason == "stop"
+    got = json.loads(out.text)
+    assert set(got) == {"book", "verse"} and isinstance(got["verse"], int)
+    reply = model.chat([{"role": "user", "content": "Name a book."}], max_tokens=60,
+                       response_format={"type": "json_object"})
+    assert isinstance(json.loads(reply.content), dict)
+    with pytest.raises(RequestError, match="response_format"):
+        model.complete("x", response_format={"type": "xml"})
 
 
 def test_bad_requests_raise_typed_one_line_errors(model):
