@@ -202,6 +202,8 @@ def parse_request(kind: str, body: dict, model_id: str, default_max_tokens: int)
     for key in _UNSUPPORTED[kind]:
         if body.get(key) not in (None, [], {}):
             raise ApiError(400, f"{key} is not supported by this server", param=key)
+    if body.get("modalities") not in (None, ["text"]):
+        raise ApiError(400, 'modalities: this server answers in text only (["text"])', param="modalities")
     stream, include_usage = _stream_options(body)
     params = _params(kind, body, default_max_tokens)
     n = _number(body, "n", 1, int, lo=1, hi=MAX_CHOICES)
