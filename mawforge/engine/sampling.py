@@ -49,6 +49,8 @@ class SamplingParams:
             raise RequestError(f"min_p must be in [0, 1), got {self.min_p}")
         if self.top_k < 0:
             raise RequestError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:
+            raise RequestError(f"seed must be a 64-bit integer, got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):
