@@ -103,6 +103,12 @@ def test_logit_bias_steers_greedy_decoding(rt):
     assert got == [forced] * 4
 
 
+def test_gguf_token_bytes_spell_the_text(rt):
+    for text in ("naïve café 🦙 日本語", "def f(x):\n    return x"):
+        ids = rt.tokenizer.encode(text, add_special=False)
+        assert b"".join(rt.tokenizer.token_bytes(i) for i in ids) == text.encode()
+
+
 def test_seed_reproduces_and_choices_get_their_own_seeds(rt):
     ids = rt.tokenizer.encode(PROMPT)
     p = SamplingParams(max_tokens=10, temperature=1.5, seed=11, ignore_eos=True)

@@ -4,6 +4,7 @@ engine/chat.py."""
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 from pathlib import Path
 
@@ -40,8 +41,11 @@ class HfVocab:
 
     def piece(self, tid: int) -> bytes:
         """One token's bytes: byte-level BPE maps its characters back to bytes, a byte-fallback
-        token <0xHH> is that byte, others decode alone."""
+        token <0xHH> is that byte, a SentencePiece piece has its U+2581 as spaces; an added token
+        is its text."""
         text = self.tok.id_to_token(tid) or ""
+        if self.tok.id_to_token(tid) in self.added:
+            return text.encode()
         if type(self.tok.decoder).__name__ == "ByteLevel" and all(c in UNICODE_TO_BYTE for c in text):
             return bytes(UNICODE_TO_BYTE[c] for c in text)
         if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
@@ -49,7 +53,11 @@ class HfVocab:
                 return bytes([int(text[3:5], 16)])
             except ValueError:
                 pass
-        return self.tok.decode([tid], skip_special_tokens=False).encode()
+        return text.replace("\u2581", " ").encode()
+
+    @functools.cached_property
+    def added(self) -> set[str]:
+        return {t.content for t in self.tok.get_added_tokens_decoder().values()}
 
     def get_vocab_size(self, with_added_tokens: bool = True) -> int:
         return self.tok.get_vocab_size(with_added_tokens=with_added_tokens)
