@@ -37,7 +37,7 @@ FIELDS: dict[str, tuple[tuple[str, ...], str]] = {
     "suffix": (T, "string"),
     "tools": (C, "array"), "tool_choice": (C, "string|object"), "parallel_tool_calls": (C, "boolean"),
     "functions": (C, "array"), "function_call": (C, "string|object"), "response_format": (C, "object"),
-    "reasoning_effort": (C, "string"), "reasoning": (C, "object"), "metadata": (C, "object"),
+    "reasoning_effort": (C, "string"), "reasoning": (C, "object"), "metadata": (B, "object"),
     "store": (C, "boolean"), "service_tier": (C, "string"), "modalities": (C, "array"), "audio": (C, "object"),
     "prediction": (C, "object"), "web_search_options": (C, "object"), "verbosity": (C, "string"),
     "prompt_cache_key": (C, "string"), "prompt_cache_options": (C, "object"),
