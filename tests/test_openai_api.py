@@ -29,7 +29,8 @@ CONTEXT, MODEL = 1024, "tiny-qwen3"
 CHAT = [{"role": "user", "content": "Tell me about expert caches."}]
 DOC = Path(__file__).resolve().parents[1] / "docs" / "openai-api.md"
 # fields outside OpenAI's types that the server sends on purpose
-EXTRAS = {"ChatCompletion": {"telemetry"}, "Completion": {"telemetry"}, "CompletionChunk": {"telemetry"}, "ChatCompletionChunk": {"telemetry"},
+EXTRAS = {"ChatCompletion": {"telemetry"}, "Completion": {"telemetry"}, "CompletionChunk": {"telemetry"},
+          "ChatCompletionChunk": {"telemetry"},
           "ChatCompletionMessage": {"reasoning_content"}, "ChoiceDelta": {"reasoning_content"},
           "Model": {"pack_digest", "context", "architecture", "chat_template", "tool_call_format"}}
 
@@ -148,7 +149,8 @@ def test_models_errors_and_tool_calls_parse_as_openais_types(url, rt, tmp_path):
         "type": "object", "properties": {"city": {"type": "string"}}}}}]
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     with ServerThread(build_app(rt, MODEL, chat_template=source, allow_forced_output=True, dashboard=False)) as s:
-        body = {"tools": tools, "forced_output": call, "max_tokens": 60, "chat_template_kwargs": {"enable_thinking": False}}
+        body = {"tools": tools, "forced_output": call, "max_tokens": 60,
+                "chat_template_kwargs": {"enable_thinking": False}}
         whole = answer(s.url, "chat", **body)
         assert whole.choices[0].finish_reason == "tool_calls"
         assert whole.choices[0].message.tool_calls[0].function.name == "get_weather"
@@ -299,11 +301,14 @@ def examples(rt) -> dict:
     hot = {"temperature": 1.5, "seed": 3}
     tool = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     return {
-        "model": (MODEL, {"model": "another-model"}), "messages": ([{"role": "user", "content": "Name a colour."}], None),
+        "model": (MODEL, {"model": "another-model"}),
+        "messages": ([{"role": "user", "content": "Name a colour."}], None),
         "prompt": ("Name a colour.", None), "max_tokens": (2, None), "max_completion_tokens": (2, None),
         "temperature": (1.5, {"seed": 3}), "top_p": (0.1, hot), "n": (2, None), "stream": (True, None),
         "stream_options": ({"include_usage": True}, {"stream": True}), "stop": (rt.tokenizer.decode([t]), force),
-        "seed": (4, hot), "presence_penalty": (-2.0, {"max_tokens": 32}), "frequency_penalty": (-2.0, {"max_tokens": 32}), "logit_bias": (force["logit_bias"], None),
+        "seed": (4, hot), "logit_bias": (force["logit_bias"], None),
+        # greedy never repeats within 6 tokens here: negative penalties over 32 make it repeat
+        "presence_penalty": (-2.0, {"max_tokens": 32}), "frequency_penalty": (-2.0, {"max_tokens": 32}),
         "logprobs": (True, None), ("logprobs", "completion"): (2, None), "top_logprobs": (2, {"logprobs": True}),
         "echo": (True, None), "best_of": (3, None), "suffix": ("end", None), "user": ("u1", None),
         "tools": (tool, None), "tool_choice": ("none", {"tools": tool}), "parallel_tool_calls": (False, None),
