@@ -191,6 +191,10 @@ def test_completion_logprobs_tokens_and_offsets_cover_the_text(url):
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     assert all(len(t) == 2 and max(t.values()) >= v - 1e-6 for t, v in zip(lp.top_logprobs, lp.token_logprobs))
     assert all(v <= 0 for v in lp.token_logprobs)
+    chunks = [c.choices[0].logprobs for c in answer(url, "completion", True, max_tokens=6, temperature=0, logprobs=2)
+              if c.choices and c.choices[0].logprobs]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for c in chunks for x in getattr(c, key)] == getattr(lp, key), key
 
 
 def test_n_choices_equal_separately_seeded_requests_and_usage_counts_the_prompt_once(url):
