@@ -4,7 +4,8 @@
     POST /v1/chat/completions  /v1/completions          (stream true/false)
     GET  /  and /dashboard/...                           the live dashboard (serve/dashboard.py)
 Every answer carries `usage` and `telemetry` (docs/telemetry.md); every request appends one
-line to --telemetry-log. One engine thread serves a bounded FIFO queue (429 when full).
+line to --telemetry-log. Which OpenAI fields are supported, ignored or refused: docs/openai-api.md;
+several choices, logprobs and echo are shaped in serve/choices.py. One engine thread serves a bounded FIFO queue (429 when full).
 In-process use (tests, bench):  with ServerThread(build_app(rt, "tiny")) as s: s.url
 """
 from __future__ import annotations
@@ -320,7 +321,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-speculative", dest="speculative", action="store_const", const="off",
                    help="plain decoding (the default; same as --speculative off)")
     p.add_argument("--api-key", default=os.environ.get("MAWFORGE_API_KEY"),
-                   help="require Authorization: Bearer KEY on /v1/* and the dashboard (default: $MAWFORGE_API_KEY, else none)")
+                   help="require Authorization: Bearer KEY on /v1/*, /metrics and the dashboard (default: "
+                        "$MAWFORGE_API_KEY, else none; /health stays public)")
     p.add_argument("--telemetry-log", default=None, help="append one JSON line per request here")
     p.add_argument("--no-dashboard", dest="dashboard", action="store_false",
                    help="no live dashboard at / (it is on by default; --api-key guards it too)")
