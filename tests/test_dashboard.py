@@ -77,7 +77,8 @@ def test_metrics_keep_their_names_and_add_histograms(server):
     r = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                    json={"model": MODEL, "prompt": "The cache", "max_tokens": 4, "temperature": 0})
     tel = r.json()["telemetry"]
-    text = httpx.get(server.url + "/metrics").text        # open, as before
+    assert httpx.get(server.url + "/metrics").status_code == 401      # behind the key, as llama-server
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     assert text.startswith("# HELP mawforge_") and "# TYPE mawforge_requests_total counter" in text
     assert 'mawforge_requests_total{endpoint="/v1/completions",status="200"}' in text
     assert "# TYPE mawforge_queue_depth gauge" in text

@@ -82,6 +82,17 @@ def test_decoding_and_streaming_match_transformers(family):
         assert streamed == ours.decode(ids), text
 
 
+def test_token_bytes_spell_what_transformers_decodes(family):
+    """Each token's bytes (logprobs' `bytes`), joined, are the text transformers decodes (a
+    SentencePiece vocabulary's first piece keeps the space its decoder strips)."""
+    name, _, ours, ref = family
+    for text in _texts(name):
+        ids = ref(text, add_special_tokens=False)["input_ids"]
+        joined = b"".join(ours.token_bytes(i) for i in ids)
+        want = ref.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False).encode()
+        assert joined in (want, b" " + want), (text, joined, want)
+
+
 def test_text_that_starts_with_bos_keeps_one(family):
     name, _, ours, ref = family
     if ref.bos_token:

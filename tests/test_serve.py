@@ -156,7 +156,7 @@ def test_seed_top_k_and_min_p_reach_the_sampler(client):
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": CHAT, "temperature": "hot"}).encode(), 400,
      "temperature"),
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}).encode(), 400, "messages"),
-    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": CHAT, "n": 2}).encode(), 400, "n"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": CHAT, "n": 0}).encode(), 400, "n"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "cache " * 400}).encode(), 400, "prompt"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 0}).encode(), 400, "max_tokens"),
     ("/v1/completions", json.dumps({"model": MODEL, "prompt": [10 ** 9]}).encode(), 400, "prompt"),

@@ -229,7 +229,7 @@ def test_reasoning_flags_and_template_kwargs(rt, hf):
 
 
 @pytest.mark.parametrize("stem,change,param,code", [
-    ("Qwen-Qwen3-0.6B", {"tools": "get_weather"}, "tools", None),
+    ("Qwen-Qwen3-0.6B", {"tools": "get_weather"}, "tools", "invalid_type"),
     ("Qwen-Qwen3-0.6B", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
      "tools", None),
     ("Qwen-Qwen3-0.6B", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {

@@ -303,6 +303,12 @@ class Triggered:
         elif token == self.trigger:
             self.at = self.n
 
+    def fork(self) -> Triggered:
+        """An independent copy in the same state (one per choice)."""
+        t = Triggered(self.trigger, self.inner.fork())
+        t.n, t.at = self.n, self.at
+        return t
+
     def rollback(self, n: int) -> None:
         if self.at is not None:
             inside = self.n - self.at                  # tokens the inner grammar accepted

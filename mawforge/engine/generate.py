@@ -12,6 +12,7 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 
+from mawforge.engine.processors import TokenLogprob
 from mawforge.engine.runtime import Runtime
 from mawforge.engine.sampling import Sampler, SamplingParams
 from mawforge.text.tokenizer import Detokenizer
@@ -25,6 +26,7 @@ class Event:
     text: str
     finish_reason: str | None = None
     telemetry: Telemetry | None = None
+    logprob: TokenLogprob | None = None     # only when params.logprobs is set
 
 
 class _StopScanner:
@@ -96,6 +98,9 @@ def validate(rt: Runtime, prompt: list[int], params: SamplingParams) -> None:
     for t in params.stop_token_ids:
         if not 0 <= t < vocab:
             raise RequestError(f"stop token id {t} is outside the vocabulary of {vocab}")
+    for t, _ in params.logit_bias:
+        if not 0 <= t < vocab:
+            raise RequestError(f"logit_bias token id {t} is outside the vocabulary of {vocab}")
 
 
 def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
@@ -128,6 +133,7 @@ def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
             for used, tok in enumerate(batch, 1):
                 n += 1
                 sampler.accept(tok)
+                lp = sampler.logprobs.take(tok) if sampler.logprobs is not None else None
                 context.append(tok)
                 if t_first is None:
                     t_first = time.perf_counter()
@@ -160,9 +166,9 @@ def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
                     tele.speculative = decoder.report() or tele.speculative
                     tele.planned_draft_bytes = tele.speculative.get("draft", {}).get("planned_bytes", 0)
                     tele.planned_footprint_bytes += tele.planned_draft_bytes
-                    yield Event(tok, text, reason, tele)
+                    yield Event(tok, text, reason, tele, lp)
                     return
-                yield Event(tok, text)
+                yield Event(tok, text, logprob=lp)
             # a step may return up to `room` tokens: the request's remainder and the free KV positions
             waited = rt.cache.read_wait_seconds()
             batch = decoder.step(context, min(params.max_tokens - n, rt.opts.context - rt.kv.pos))

@@ -7,12 +7,15 @@ verification advances through the drafts it checks, then rolls them back).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 
+from mawforge.engine.processors import for_params
 from mawforge.errors import RequestError
+
+MAX_LOGPROBS = 20              # OpenAI's top_logprobs bound
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,11 @@ class SamplingParams:
     # Testing hook (serve --allow-forced-output): these tokens are emitted in order instead of
     # sampled ones, while the model still runs every step, so the whole path is real but the text.
     forced_tokens: tuple[int, ...] = ()
+    # OpenAI's fields, applied by the processors in engine/processors.py
+    logprobs: int | None = None     # None: off; k: the emitted token's logprob and the top k at its position
+    logit_bias: tuple[tuple[int, float], ...] = ()      # (token id, bias)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -41,6 +49,23 @@ class SamplingParams:
             raise RequestError(f"min_p must be in [0, 1), got {self.min_p}")
         if self.top_k < 0:
             raise RequestError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:
+            raise RequestError(f"seed must be a 64-bit integer, got {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        for t, b in self.logit_bias:
+            if t < 0 or not -100.0 <= b <= 100.0:
+                raise RequestError(f"logit_bias must map token ids to biases in [-100, 100], got {t}: {b}")
+
+    def for_choice(self, i: int) -> "SamplingParams":
+        """Choice i of a request with n choices: its own seed, derived from the request's (choice 0
+        keeps it, so n = 1 is unchanged); unseeded choices draw their own seeds anyway."""
+        if i == 0 or self.seed is None:
+            return self
+        return replace(self, seed=(self.seed * 0x9E3779B97F4A7C15 + i) % 2**63)
 
 
 class LogitsProcessor(Protocol):
@@ -59,6 +84,8 @@ class Sampler:
         self.gen = torch.Generator()
         self.gen.manual_seed(self.params.seed if self.params.seed is not None else torch.seed())
         self.n_forced = 0
+        self.logprobs, asked = for_params(self.params)      # the recorder (or None), then bias and penalties
+        self.processors = asked + list(self.processors)
 
     @property
     def greedy(self) -> bool:
@@ -108,6 +135,8 @@ class Sampler:
     def sample(self, logits: torch.Tensor) -> int:
         if self.n_forced < len(self.params.forced_tokens):
             self.n_forced += 1
+            if self.processors:          # they follow every position (the logprob recorder keeps it)
+                self.process(logits)
             return self.params.forced_tokens[self.n_forced - 1]
         if self.greedy:
             return int(torch.argmax(self.process(logits) if self.processors else logits))

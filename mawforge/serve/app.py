@@ -5,7 +5,8 @@
     POST /v1/responses  GET|DELETE /v1/responses/{id}   (serve/responses.py)
     GET  /  and /dashboard/...                           the live dashboard (serve/dashboard.py)
 Every answer carries `usage` and `telemetry` (docs/telemetry.md); every request appends one
-line to --telemetry-log. One engine thread serves a bounded FIFO queue (429 when full).
+line to --telemetry-log. Which OpenAI fields are supported, ignored or refused: docs/openai-api.md;
+several choices, logprobs and echo are shaped in serve/choices.py. One engine thread serves a bounded FIFO queue (429 when full).
 In-process use (tests, bench):  with ServerThread(build_app(rt, "tiny")) as s: s.url
 """
 from __future__ import annotations
@@ -15,14 +16,11 @@ import asyncio
 import contextlib
 import hmac
 import os
-import socket
 import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -33,16 +31,17 @@ from mawforge.text.chat import ChatTemplate
 from mawforge.engine.generate import validate
 from mawforge.commands.run import add_runtime_arguments, make_recorder, runtime_options
 from mawforge.speculative.decode import add_speculative_arguments, speculator_from_args
-from mawforge.errors import BudgetRejected, MawError, RequestError
+from mawforge.errors import BudgetRejected, RequestError
 from mawforge.serve import limits
 from mawforge.serve import protocol as P
-from mawforge.serve.chatreq import (ChatDefaults, ChatFront, Turn, finish_reason, parse_chat_options, shape_choice,
-                                    stream_chunks)
+from mawforge.serve.chatreq import ChatDefaults, ChatFront, Turn, parse_chat_options
+from mawforge.serve.choices import Answer
 from mawforge.serve.servecli import add_chat_arguments, chat_settings
 from mawforge.serve.structured import request_constraint
 from mawforge.serve.dashboard import Board
 from mawforge.serve.metrics import Metrics
 from mawforge.serve.responses import ResponsesApi, ResponseStore, add_responses_arguments, store_from_args
+from mawforge.serve.server import ServerThread, _Server, bind  # noqa: F401  (ServerThread: tests and bench import it here)
 from mawforge.serve.worker import Channel, EngineWorker, Failure, Job, Ledger, QueueFull, ShuttingDown
 from mawforge.telemetry import peak_rss_bytes, rss_bytes
 
@@ -85,6 +84,7 @@ class Api:
                             status_code=503 if closing else 200)
 
     async def metrics(self, request: Request) -> Response:
+        self._auth(request)                      # as llama-server: /metrics needs the key, /health does not
         body, content_type = self.prometheus.render(request.headers.get("accept"))
         return Response(body, media_type=content_type)
 
@@ -129,32 +129,33 @@ class Api:
     async def completions(self, request: Request):
         return await self._complete("completion", request)
 
-    def _prompt_ids(self, req: P.ApiRequest, turn: Turn | None) -> list[int]:
-        tok = self.rt.tokenizer
-        context = self.rt.opts.context
-        if turn is not None:
-            return limits.encode_bounded(tok.encode, turn.prompt, context)
-        if req.prompt is not None:
-            return limits.encode_bounded(tok.encode, req.prompt, context)
+    def _prompt_ids(self, prompt: str | tuple[int, ...]) -> list[int]:
+        if isinstance(prompt, str):
+            return limits.encode_bounded(self.rt.tokenizer.encode, prompt, self.rt.opts.context)
         vocab = self.rt.cfg.vocab
-        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
+        bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise P.ApiError(400, f"token id {bad[0]} is outside the vocabulary of {vocab}", param="prompt")
-        return list(req.prompt_ids)
+        return list(prompt)
 
-    def _prepare(self, kind: str, raw: bytes) -> tuple[P.ApiRequest, list[int], Turn | None, dict, tuple]:
+    def _prepare(self, kind: str, raw: bytes) -> tuple[P.ApiRequest, list[list[int]], Turn | None, dict, tuple]:
         """Off the event loop: bounded JSON parsing, the request's checks, the chat template,
-        tokenization, the output grammar (its logits processors)."""
+        tokenization (one prompt, or each of a completions list), the output grammar (its
+        logits processors)."""
         body = limits.parse_json(raw)
+        limits.check_fields(body, kind)
         req = P.parse_request(kind, body, self.model_id, self.max_tokens_default)
         req = limits.check_request(req, body, self.rt.opts.context, self.rt.cfg.vocab)
         turn = self.front.prepare(parse_chat_options(body, req.messages)) if kind == "chat" else None
+        prompts = [turn.prompt] if turn is not None else req.prompts or [req.prompt or req.prompt_ids]
         try:
-            ids = self._prompt_ids(req, turn)
-            validate(self.rt, ids, req.params)
+            ids = [self._prompt_ids(p) for p in prompts]
+            for one in ids:
+                validate(self.rt, one, req.params)
         except RequestError as e:
             code = "context_length_exceeded" if "context" in str(e) else None
-            raise P.ApiError(400, str(e), param="messages" if kind == "chat" else "prompt", code=code) from None
+            param = "logit_bias" if str(e).startswith("logit_bias") else "messages" if kind == "chat" else "prompt"
+            raise P.ApiError(400, str(e), param=param, code=code) from None
         constraint = request_constraint(self.rt, req.response_format, turn)
         return req, ids, turn, body, () if constraint is None else (constraint,)
 
@@ -164,7 +165,8 @@ class Api:
         req, ids, turn, body, procs = await asyncio.get_running_loop().run_in_executor(self.admit_pool,
                                                                                       self._prepare, kind, raw)
         params, spec = self._forced(body, req)
-        job = Job(rid, req.endpoint, ids, params, Channel(), stream=req.stream, speculative=spec, processors=procs)
+        job = Job(rid, req.endpoint, ids[0], params, Channel(), stream=req.stream, speculative=spec, n=req.n,
+                  prompts=ids if len(ids) > 1 else [], processors=procs)
         try:
             self.worker.submit(job)
         except QueueFull as e:
@@ -219,48 +221,37 @@ class Api:
             if not streaming:
                 job.cancel.set()                     # a no-op when finished; stops it if this task was cancelled
 
+    def _answer(self, req: P.ApiRequest, rid: str, turn: Turn | None) -> Answer:
+        echo = None
+        if req.echo:
+            tok = self.rt.tokenizer
+            echo = [p if isinstance(p, str) else tok.decode(list(p))
+                    for p in req.prompts or [req.prompt if req.prompt is not None else req.prompt_ids]]
+        return Answer(req, rid, self.model_id, self.rt.tokenizer, turn, echo)
+
     async def _whole(self, req: P.ApiRequest, job: Job, rid: str, first, turn: Turn | None) -> JSONResponse:
-        parts, ev = [first.text], first
-        while ev.finish_reason is None:
-            ev = await job.channel.__anext__()
-            if isinstance(ev, Failure):
-                return error_response(P.ApiError(ev.status, ev.message, ev.type, code=ev.code))
-            parts.append(ev.text)
-        tel = ev.telemetry
-        body = P.response(req.kind, rid, P.now(), self.model_id, "".join(parts), tel.finish_reason,
-                          P.usage(tel.prompt_tokens, tel.completion_tokens), tel.to_dict())
-        if turn is not None:
-            shape_choice(body["choices"][0], turn.parser, parts, tel.finish_reason)
-        return JSONResponse(body, headers={"X-Request-Id": rid})
+        items = [first]
+        async for item in job.channel:
+            if isinstance(item, Failure):
+                return error_response(P.ApiError(item.status, item.message, item.type, code=item.code))
+            items.append(item)
+        return JSONResponse(self._answer(req, rid, turn).whole(items), headers={"X-Request-Id": rid})
 
     async def _sse(self, req: P.ApiRequest, job: Job, rid: str, first, turn: Turn | None):
         """One chunk per generated token (so chunks == completion_tokens; a chat token that
-        completes a tool call adds that call's header and argument chunks), then the finish
-        chunk, then the usage chunk if asked; the last chunk before [DONE] carries telemetry."""
-        created, kind, model = P.now(), req.kind, self.model_id
+        completes a tool call adds that call's header and argument chunks), then per choice its
+        finish chunk, then the usage chunk if asked; the last chunk before [DONE] carries telemetry.
+        Several choices (n, a list of prompts) stream one after another, each with its index."""
+        shape = self._answer(req, rid, turn)
         try:
-            ev, role = first, True
-            while True:
-                if isinstance(ev, Failure):
-                    yield P.sse(P.ApiError(ev.status, ev.message, ev.type, code=ev.code).body())
+            item = first
+            while item is not None:
+                if isinstance(item, Failure):
+                    yield P.sse(P.ApiError(item.status, item.message, item.type, code=item.code).body())
                     break
-                if turn is None:
-                    yield P.sse(P.chunk(kind, rid, created, model, text=ev.text, role=role))
-                else:
-                    for c in stream_chunks(P.chunk(kind, rid, created, model, text="", role=role), turn.parser,
-                                           ev.text, ev.finish_reason is not None):
-                        yield P.sse(c)
-                role = False
-                if ev.finish_reason is not None:
-                    t = ev.telemetry
-                    tel, use = t.to_dict(), P.usage(t.prompt_tokens, t.completion_tokens)
-                    finish = t.finish_reason if turn is None else finish_reason(t.finish_reason, turn.parser.calls)
-                    yield P.sse(P.chunk(kind, rid, created, model, finish=finish,
-                                        telemetry=None if req.include_usage else tel))
-                    if req.include_usage:
-                        yield P.sse(P.chunk(kind, rid, created, model, use=use, telemetry=tel, choices=False))
-                    break
-                ev = await job.channel.__anext__()
+                for c in shape.chunks(item):
+                    yield P.sse(c)
+                item = await anext(job.channel, None)
             yield P.sse("[DONE]")
         finally:
             job.cancel.set()       # no effect once finished; stops the engine if the client left
@@ -325,77 +316,6 @@ def build_app(rt, model_id: str, *, api_key: str | None = None, max_tokens_defau
     return app
 
 
-# ---- running it ---------------------------------------------------------------------------
-
-def bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        return socket.create_server((host, port), family=family, backlog=128)
-    except OSError as e:
-        raise MawError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-
-
-class _Server(uvicorn.Server):
-    """uvicorn that reports the bound address once it accepts connections, and at shutdown
-    refuses new jobs, lets in-flight ones run for grace_s, then cancels them in the engine, so
-    every client still gets a well-formed answer. uvicorn's own task cancellation (grace_s + 10)
-    is only the backstop for a forward pass that never returns."""
-
-    def __init__(self, app, log_level: str, grace_s: float | None, on_listen=None):
-        super().__init__(uvicorn.Config(app, log_level=log_level, lifespan="on",
-                                        timeout_graceful_shutdown=None if grace_s is None else grace_s + 10))
-        self.worker: EngineWorker | None = getattr(app.state, "worker", None)
-        self.on_listen, self.url, self.grace_s = on_listen, None, grace_s
-
-    async def shutdown(self, sockets=None):
-        if self.worker is not None:
-            self.worker.closing = True
-            if self.grace_s is not None:
-                asyncio.get_running_loop().call_later(self.grace_s, self.worker.cancel_all)
-        await super().shutdown(sockets)
-
-    async def startup(self, sockets=None):
-        await super().startup(sockets)
-        if self.started:
-            host, port = self.servers[0].sockets[0].getsockname()[:2]
-            self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-            if self.on_listen is not None:
-                self.on_listen(self.url)
-
-
-class ServerThread:
-    """The app on a free port in a background thread: `with ServerThread(app) as s: s.url`."""
-
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 grace_s: float | None = 30.0):
-        self.ready = threading.Event()
-        self.sock = bind(host, port)
-        self.server = _Server(app, log_level, grace_s, lambda url: self.ready.set())
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       name="mawforge-serve", daemon=True)
-
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-    def start(self) -> "ServerThread":
-        self.thread.start()
-        while not self.ready.wait(0.05):
-            if not self.thread.is_alive():
-                raise RuntimeError("the server thread exited during startup")
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join()
-
-    def __enter__(self) -> "ServerThread":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_runtime_arguments(p)
     p.add_argument("--config", default=None, help="JSON/YAML of option defaults (e.g. what `mawforge tune` "
@@ -408,7 +328,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-speculative", dest="speculative", action="store_const", const="off",
                    help="plain decoding (the default; same as --speculative off)")
     p.add_argument("--api-key", default=os.environ.get("MAWFORGE_API_KEY"),
-                   help="require Authorization: Bearer KEY on /v1/* and the dashboard (default: $MAWFORGE_API_KEY, else none)")
+                   help="require Authorization: Bearer KEY on /v1/*, /metrics and the dashboard (default: "
+                        "$MAWFORGE_API_KEY, else none; /health stays public)")
     p.add_argument("--telemetry-log", default=None, help="append one JSON line per request here")
     p.add_argument("--no-dashboard", dest="dashboard", action="store_false",
                    help="no live dashboard at / (it is on by default; --api-key guards it too)")

@@ -12,15 +12,15 @@ import time
 import uuid
 from dataclasses import dataclass, fields
 
-from mawforge.engine.sampling import SamplingParams
+from mawforge.engine.sampling import MAX_LOGPROBS, SamplingParams
 from mawforge.errors import RequestError
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 # Fields we cannot honour: refusing them is better than answering something else than asked.
 _UNSUPPORTED = {
-    "chat": ("functions", "function_call", "logit_bias"),   # tools: serve/chatreq.py
-    "completion": ("suffix", "logit_bias"),
+    "chat": ("functions", "function_call", "audio", "web_search_options"),  # tools: chatreq.py
+    "completion": ("suffix",),
 }
 
 
@@ -57,11 +57,17 @@ class ApiRequest:
     prompt_ids: tuple[int, ...] = ()   # completion, given as token ids
     speculative: str | None = None     # per-request speculative mode (None: the server's setting)
     response_format: dict | None = None  # parse_response_format's shape (None: free text)
+    n: int = 1                         # choices per prompt
+    echo: bool = False                 # completions: the prompt before each choice's text
+    prompts: tuple = ()                # completions given a list of prompts: each a str or a tuple of ids
 
     @property
     def endpoint(self) -> str:
         return ENDPOINTS[self.kind]
 
+
+MAX_CHOICES = 16                 # n, and prompts in one completions request (each choice runs in turn)
+MAX_LOGIT_BIAS = 1024            # OpenAI's bound on logit_bias entries
 
 SPEC_MODES = ("auto", "off", "ngram", "draft", "mtp")
 
@@ -103,14 +109,9 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(s for s in items if s)
 
 
-def _params(body: dict, default_max_tokens: int) -> SamplingParams:
+def _params(kind: str, body: dict, default_max_tokens: int) -> SamplingParams:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    if _number(body, "n", 1, int) != 1:
-        raise ApiError(400, "only n = 1 is supported", param="n")
-    for pen in ("presence_penalty", "frequency_penalty"):
-        if _number(body, pen, 0.0) != 0.0:
-            raise ApiError(400, f"{pen} is not supported (only 0)", param=pen)
     seed = _number(body, "seed", None, int)
     try:
         return SamplingParams(
@@ -118,9 +119,35 @@ def _params(body: dict, default_max_tokens: int) -> SamplingParams:
             temperature=_number(body, "temperature", 1.0, lo=0.0, hi=2.0),
             top_p=_number(body, "top_p", 1.0), top_k=_number(body, "top_k", 0, int),
             min_p=_number(body, "min_p", 0.0), seed=seed, stop=_stop(body),
-            ignore_eos=bool(body.get("ignore_eos", False)))
+            ignore_eos=bool(body.get("ignore_eos", False)), logprobs=_logprobs(kind, body),
+            logit_bias=_logit_bias(body), presence_penalty=_number(body, "presence_penalty", 0.0, lo=-2, hi=2),
+            frequency_penalty=_number(body, "frequency_penalty", 0.0, lo=-2, hi=2))
     except RequestError as e:
         raise ApiError.from_request_error(e) from None
+
+
+def _logprobs(kind: str, body: dict) -> int | None:
+    """Chat: logprobs (bool) and top_logprobs (0-20); completions: logprobs (0-5). None: off."""
+    if kind == "completion":
+        return _number(body, "logprobs", None, int, lo=0, hi=5)
+    on, top = body.get("logprobs"), _number(body, "top_logprobs", None, int, lo=0, hi=MAX_LOGPROBS)
+    if on is not None and not isinstance(on, bool):
+        raise ApiError(400, f"logprobs must be a boolean, got {on!r}", param="logprobs")
+    if top is not None and not on:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    return (top or 0) if on else None
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    v = body.get("logit_bias") or {}
+    if not isinstance(v, dict) or len(v) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} token ids", param="logit_bias")
+    out = []
+    for k, b in v.items():
+        if not (isinstance(k, str) and k.isascii() and k.isdigit()):
+            raise ApiError(400, f"logit_bias keys must be token ids, got {k[:20]!r}", param="logit_bias")
+        out.append((int(k), _number({"logit_bias": b}, "logit_bias", 0.0, lo=-100, hi=100)))
+    return tuple(out)
 
 
 def _stream_options(body: dict) -> tuple[bool, bool]:
@@ -150,17 +177,19 @@ def _message(m, i: int) -> dict:
     return {**m, "content": content}
 
 
-def _prompt(v) -> tuple[str | None, tuple[int, ...]]:
-    """A string, a list of one string, a list of token ids, or a list of one list of token ids."""
-    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-        v = v[0]
-    if isinstance(v, str):
-        return v, ()
-    if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-        return None, tuple(v)
-    if isinstance(v, list) and len(v) > 1:
-        raise ApiError(400, "only one prompt per request is supported", param="prompt")
-    raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
+def _ids(v) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
+def _prompts(v) -> tuple:
+    """A string, a list of token ids, or a list of those: each prompt a str or a tuple of ids."""
+    if isinstance(v, str) or _ids(v):
+        v = [v]
+    if not isinstance(v, list) or not v or not all(isinstance(p, str) or _ids(p) for p in v):
+        raise ApiError(400, "prompt must be a string, a list of token ids, or a list of those", param="prompt")
+    if len(v) > MAX_CHOICES:
+        raise ApiError(400, f"at most {MAX_CHOICES} prompts per request, got {len(v)}", param="prompt")
+    return tuple(p if isinstance(p, str) else tuple(p) for p in v)
 
 
 _FORMAT_NAME = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
@@ -199,18 +228,23 @@ def parse_response_format(v, param: str = "response_format") -> dict | None:
 
 def parse_request(kind: str, body: dict, model_id: str, default_max_tokens: int) -> ApiRequest:
     model = body.get("model", model_id)     # lenient: a missing model means the served one
+    if not isinstance(model, str):
+        raise ApiError(400, f"model must be a string naming the model, got {json.dumps(model)[:40]}",
+                       param="model", code="invalid_type" if model is not None else "missing_required_parameter")
     if model != model_id:
         raise ApiError(404, f"the model {model!r} does not exist; this server serves {model_id!r}",
                        param="model", code="model_not_found")
     for key in _UNSUPPORTED[kind]:
         if body.get(key) not in (None, [], {}):
             raise ApiError(400, f"{key} is not supported by this server", param=key)
-    if kind == "completion" and body.get("echo"):
-        raise ApiError(400, "echo is not supported by this server", param="echo")
-    if body.get("logprobs") not in (None, False, 0):
-        raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
+    if body.get("modalities") not in (None, ["text"]):
+        raise ApiError(400, 'modalities: this server answers in text only (["text"])', param="modalities")
     stream, include_usage = _stream_options(body)
-    params = _params(body, default_max_tokens)
+    params = _params(kind, body, default_max_tokens)
+    n = _number(body, "n", 1, int, lo=1, hi=MAX_CHOICES)
+    best_of = _number(body, "best_of", None, int)
+    if best_of not in (None, n):
+        raise ApiError(400, "best_of is not supported (only equal to n: no candidates are ranked)", param="best_of")
     spec = body.get("speculative")
     if spec is not None and spec not in SPEC_MODES:
         raise ApiError(400, f"speculative must be one of {', '.join(SPEC_MODES)}, got {spec!r}", param="speculative")
@@ -219,13 +253,22 @@ def parse_request(kind: str, body: dict, model_id: str, default_max_tokens: int)
         if not isinstance(msgs, list) or not msgs:
             raise ApiError(400, "messages must be a non-empty list", param="messages")
         return ApiRequest(kind, model, stream, include_usage, params,
-                          messages=tuple(_message(m, i) for i, m in enumerate(msgs)), speculative=spec,
+                          messages=tuple(_message(m, i) for i, m in enumerate(msgs)), speculative=spec, n=n,
                           response_format=parse_response_format(body.get("response_format")))
     if "prompt" not in body:
         raise ApiError(400, "prompt is required", param="prompt")
-    text, ids = _prompt(body["prompt"])
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool) and echo is not None:
+        raise ApiError(400, "echo must be a boolean", param="echo")
+    if echo and params.logprobs is not None:
+        raise ApiError(400, "echo with logprobs is not supported (the prompt's logprobs are not computed)",
+                       param="echo")
+    prompts = _prompts(body["prompt"])
+    if n * len(prompts) > MAX_CHOICES:
+        raise ApiError(400, f"n times the prompts is {n * len(prompts)} choices; at most {MAX_CHOICES}", param="n")
+    text, ids = (prompts[0], ()) if isinstance(prompts[0], str) else (None, prompts[0])
     return ApiRequest(kind, model, stream, include_usage, params, prompt=text, prompt_ids=ids,
-                      speculative=spec)
+                      speculative=spec, n=n, echo=bool(echo), prompts=prompts if len(prompts) > 1 else ())
 
 
 # ---- responses ---------------------------------------------------------------------------

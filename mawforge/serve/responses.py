@@ -113,6 +113,13 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
             return
 
 
+async def _next_event(job: Job):
+    """The job's next Event (a Responses request has one choice: the worker's items are
+    (choice index, Event) pairs), or its Failure."""
+    item = await job.channel.__anext__()
+    return item if isinstance(item, Failure) else item[1]
+
+
 class ResponsesApi:
     """The routes; `api` is the server's chat Api (its runtime, worker, ledger, template)."""
 
@@ -206,7 +213,7 @@ class ResponsesApi:
         watcher = asyncio.ensure_future(_watch_disconnect(request, job))
         streaming = False
         try:
-            first = await job.channel.__anext__()     # wait in the queue; a Failure here is a real status
+            first = await _next_event(job)            # wait in the queue; a Failure here is a real status
             if isinstance(first, Failure):
                 return _error(first)
             if pr.rr.stream:
@@ -237,7 +244,7 @@ class ResponsesApi:
             if ev.finish_reason is not None:
                 events = out.finish(ev.finish_reason, ev.telemetry)
                 break
-            ev = await job.channel.__anext__()
+            ev = await _next_event(job)
         r = out.response
         if pr.rr.store and r["status"] in ("completed", "incomplete"):
             self.store.put(r["id"], r, pr.conversation + r["output"])

@@ -5,7 +5,10 @@ line per request to the telemetry log.
 HTTP handler (event loop)                      worker thread
   job = Job(..., Channel())  --submit-->  queue.Queue(maxsize)  --> generate(rt, ids, params,
   async for item in channel  <--put-----                                  cancelled=job.cancel.is_set)
-  (Event | Failure; the last one ends it)
+  ((choice index, Event) | Failure; None ends it)
+A job with several choices (n, a list of prompts) runs them one after another, each with its own
+sampler and seed (SamplingParams.for_choice); the request's telemetry (serve/choices.py merge)
+rides on its last event and is logged once.
 A job whose client went away has job.cancel set: skipped if still queued, stopped after its next
 token if running. The telemetry line is written by the worker, so it exists even then.
 """
@@ -18,12 +21,13 @@ import math
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from mawforge.engine.generate import generate
 from mawforge.engine.sampling import SamplingParams
 from mawforge.errors import MawError
+from mawforge.serve.choices import merge
 
 log = logging.getLogger("mawforge.serve")
 
@@ -70,8 +74,15 @@ class Job:
     stream: bool = False
     speculative: str | None = None
     processors: tuple = ()           # sampling.LogitsProcessors (a structured-output Constraint)
+    n: int = 1                         # choices per prompt
+    prompts: list[list[int]] = field(default_factory=list)    # all prompts, when several
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
+
+    def choices(self) -> list[tuple[list[int], SamplingParams]]:
+        """(prompt, params) by choice index: prompt p's j-th choice is index p * n + j."""
+        return [(prompt, self.params.for_choice(j)) for prompt in (self.prompts or [self.prompt])
+                for j in range(self.n)]
 
 
 class QueueFull(Exception):
@@ -212,15 +223,21 @@ class EngineWorker:
             kw = {}
             if job.speculative is not None or self.speculator is not None:
                 kw["speculative"] = self._speculator(job.speculative)
-            if job.processors:
-                kw["processors"] = job.processors
-            for ev in self.generate(self.rt, job.prompt, job.params, cancelled=job.cancel.is_set, **kw):
-                if ev.telemetry is not None:     # log before the client can see the end
-                    tel = ev.telemetry.to_dict()
-                    status = 499 if tel["finish_reason"] == "cancelled" and not self.stopping else 200
-                    self.ledger.record(job.request_id, job.endpoint, status, tel, stream=job.stream,
-                                       queue_s=queue_s)
-                job.channel.put(ev)
+            choices, done = job.choices(), []
+            # each choice gets its own grammar state, copied before any choice advances it
+            procs = [tuple(p.fork() for p in job.processors) if i else job.processors for i in range(len(choices))]
+            for i, (prompt, params) in enumerate(choices):
+                if procs[i]:
+                    kw["processors"] = procs[i]
+                for ev in self.generate(self.rt, prompt, params, cancelled=job.cancel.is_set, **kw):
+                    if ev.telemetry is not None:
+                        done.append(ev.telemetry)
+                        if i == len(choices) - 1 or ev.finish_reason == "cancelled":
+                            ev = replace(ev, telemetry=merge(done, sum(map(len, job.prompts or [job.prompt]))))
+                            self._log(job, ev.telemetry.to_dict(), queue_s)    # before the client sees the end
+                    job.channel.put((i, ev))
+                if ev.finish_reason == "cancelled":
+                    break
         except MawError as e:        # a request the engine refused (validated again there)
             self._fail(job, Failure(400, str(e), type="invalid_request_error", code=getattr(e, "code", None)),
                        queue_s)
@@ -230,6 +247,10 @@ class EngineWorker:
             self._fail(job, Failure(500, f"internal error in the engine: {type(e).__name__}: {e}"), queue_s)
             return
         job.channel.put(None)
+
+    def _log(self, job: Job, tel: dict, queue_s: float) -> None:
+        status = 499 if tel["finish_reason"] == "cancelled" and not self.stopping else 200
+        self.ledger.record(job.request_id, job.endpoint, status, tel, stream=job.stream, queue_s=queue_s)
 
     def _speculator(self, mode: str | None):
         """The request's speculative mode against the server's (raises RequestError, a 400)."""

@@ -4,6 +4,7 @@ text/chat.py."""
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from tokenizers import Tokenizer
 
 from mawforge.text.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate  # noqa: F401  (re-exported: the old home)
 from mawforge.text.llama_vocab import GgufVocab
+from mawforge.text.pretok import UNICODE_TO_BYTE
 from mawforge.errors import FormatError
 
 
@@ -36,6 +38,26 @@ class HfVocab:
 
     def get_vocab(self, with_added_tokens: bool = True) -> dict[str, int]:
         return self.tok.get_vocab(with_added_tokens=with_added_tokens)
+
+    def piece(self, tid: int) -> bytes:
+        """One token's bytes: byte-level BPE maps its characters back to bytes, a byte-fallback
+        token <0xHH> is that byte, a SentencePiece piece has its U+2581 as spaces; an added token
+        is its text."""
+        text = self.tok.id_to_token(tid) or ""
+        if self.tok.id_to_token(tid) in self.added:
+            return text.encode()
+        if type(self.tok.decoder).__name__ == "ByteLevel" and all(c in UNICODE_TO_BYTE for c in text):
+            return bytes(UNICODE_TO_BYTE[c] for c in text)
+        if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+            try:
+                return bytes([int(text[3:5], 16)])
+            except ValueError:
+                pass
+        return text.replace("\u2581", " ").encode()
+
+    @functools.cached_property
+    def added(self) -> set[str]:
+        return {t.content for t in self.tok.get_added_tokens_decoder().values()}
 
     def get_vocab_size(self, with_added_tokens: bool = True) -> int:
         return self.tok.get_vocab_size(with_added_tokens=with_added_tokens)
@@ -79,6 +101,10 @@ class TextTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids)
+
+    def token_bytes(self, tid: int) -> bytes:
+        """The bytes one token stands for (a multi-byte character may be split over tokens)."""
+        return self.tok.piece(tid)
 
     def token_id(self, text: str) -> int | None:
         return self.tok.token_to_id(text)
