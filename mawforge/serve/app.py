@@ -39,7 +39,7 @@ from mawforge.serve.chatreq import (ChatDefaults, ChatFront, Turn, finish_reason
                                     stream_chunks)
 from mawforge.serve.servecli import add_chat_arguments, chat_settings
 from mawforge.serve.dashboard import Board
-from mawforge.serve.metrics import Metrics
+from mawforge.serve.metrics import Metrics, prompt_cache_gauges
 from mawforge.serve.worker import Channel, EngineWorker, Failure, Job, Ledger, QueueFull, ShuttingDown
 from mawforge.telemetry import peak_rss_bytes, rss_bytes
 
@@ -94,7 +94,8 @@ class Api:
                 "expert_cache_bytes": (p.E, "expert cache budget E"),
                 "kv_cache_bytes": (p.K, "KV cache bytes K"),
                 "resident_common_bytes": (p.C, "resident common bytes C"),
-                "planned_footprint_bytes": (p.F, "planned footprint F = C + E + K + O"),
+                "planned_footprint_bytes": (p.F, "planned footprint F = C + E + K + P + O"),
+                **prompt_cache_gauges(self.rt),
                 "budget_bytes": (p.budget_bytes or 0, "memory budget (0 = none given)"),
                 "rss_bytes": (rss_bytes(), "resident set of the server process"),
                 "peak_rss_bytes": (peak_rss_bytes(), "peak resident set of the server process")}
@@ -224,7 +225,7 @@ class Api:
             parts.append(ev.text)
         tel = ev.telemetry
         body = P.response(req.kind, rid, P.now(), self.model_id, "".join(parts), tel.finish_reason,
-                          P.usage(tel.prompt_tokens, tel.completion_tokens), tel.to_dict())
+                          P.usage(tel.prompt_tokens, tel.completion_tokens, tel.cached_tokens), tel.to_dict())
         if turn is not None:
             shape_choice(body["choices"][0], turn.parser, parts, tel.finish_reason)
         return JSONResponse(body, headers={"X-Request-Id": rid})
@@ -249,7 +250,7 @@ class Api:
                 role = False
                 if ev.finish_reason is not None:
                     t = ev.telemetry
-                    tel, use = t.to_dict(), P.usage(t.prompt_tokens, t.completion_tokens)
+                    tel, use = t.to_dict(), P.usage(t.prompt_tokens, t.completion_tokens, t.cached_tokens)
                     finish = t.finish_reason if turn is None else finish_reason(t.finish_reason, turn.parser.calls)
                     yield P.sse(P.chunk(kind, rid, created, model, finish=finish,
                                         telemetry=None if req.include_usage else tel))
@@ -433,7 +434,8 @@ def main(a: argparse.Namespace) -> int:
         plan = make_plan(PackFacts.from_pack(a.pack), memory_budget_gib=opts.memory_budget_gib, context=opts.context,
                          expert_cache_percent=opts.expert_cache_percent, expert_cache_gib=opts.expert_cache_gib,
                          stream_embeddings=opts.stream_embeddings, kv_dtype=opts.kv_dtype,
-                         prefill_chunk=opts.prefill_chunk, extra_overhead_bytes=opts.extra_overhead_bytes)
+                         prefill_chunk=opts.prefill_chunk, extra_overhead_bytes=opts.extra_overhead_bytes,
+                         prompt_cache_gib=opts.prompt_cache_gib)
     if not plan.feasible:
         print(plan.table(), file=sys.stderr)
         print(f"mawforge serve: refusing to start: plan rejected: {plan.reason}", file=sys.stderr)
