@@ -3,6 +3,10 @@ LRU by bytes and its pins, the keys, an interrupted prefill, planned == allocate
 continuations equal to cold ones. Every architecture row: tests/conformance/test_prompt_cache_rows.py."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -21,9 +25,9 @@ def greedy(rt, prompt, n=5):
     return [e.token for e in evs], evs[-1].telemetry
 
 
-def open_rt(pack_dir, **kw) -> Runtime:
+def open_rt(pack_dir, prompt_store=None, **kw) -> Runtime:
     kw = {"context": 256, "prefill_chunk": CHUNK, "threads": 1, "expert_cache_percent": 100, **kw}
-    return Runtime(pack_dir, RuntimeOptions(**kw))
+    return Runtime(pack_dir, RuntimeOptions(**kw), prompt_store=prompt_store)
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +163,21 @@ def test_auto_size_follows_the_context_and_the_budget(pack_dir):
                      memory_budget_gib=(free.C + free.E + free.K) / 2**30 + 0.5)
     assert not over.feasible and "C + E + K + P" in over.reason
     assert make_plan(f, context=256).P == 0                       # make_plan's own default: off
+
+
+def test_plan_prints_p_and_rejects_what_does_not_fit(pack_dir):
+    plan = lambda *a: subprocess.run([sys.executable, "-m", "mawforge.cli", "plan", "--pack", str(pack_dir),
+                                      "--context", "256", *a], capture_output=True, text=True)
+    auto, off = (json.loads(plan("--json", *a).stdout) for a in ((), ("--prompt-cache-gib", "0")))
+    f = PackFacts.from_pack(pack_dir)
+    assert auto["P"] == make_plan(f, context=256, prompt_cache_gib=None).P > 0 and off["P"] == 0
+    assert auto["L"] == auto["C"] + auto["E"] + auto["K"] + auto["P"] and auto["F"] == auto["L"] + auto["O"]
+    table = plan("--prompt-cache-gib", "0.5")
+    assert table.returncode == 0 and f"({2**29:,} B)  [--prompt-cache-gib]" in table.stdout
+    assert "L  = C + E + K + P" in table.stdout
+    budget = str((auto["C"] + auto["E"] + auto["K"]) / 2**30 + 0.25)
+    refused = plan("--prompt-cache-gib", "0.5", "--expert-cache-percent", "100", "--memory-budget-gib", budget)
+    assert refused.returncode == 4 and "REJECTED: L = C + E + K + P" in refused.stdout
 
 
 def test_a_key_keeps_other_packs_and_configurations_out(packs, pack_dir):
