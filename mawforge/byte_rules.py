@@ -49,3 +49,11 @@ def state_bytes(layout, context: int, kv_itemsize: int, grows: bool) -> int:
 def is_dense(name: str) -> bool:
     """Common tensors held dequantized to float32 (the rest stay in their stored format)."""
     return name.endswith(DENSE_SUFFIXES)
+
+
+def prompt_entry_bytes(layout, tokens: int, kv_itemsize: int, checkpoints: int, vocab: int) -> int:
+    """One saved prompt of the prompt cache (engine/prompt_cache.py): the growing rows of its
+    positions, the fixed float32 state at each of its checkpoints (recurrent layers only), and
+    its last logits row (float32)."""
+    rows = state_bytes(layout, tokens, kv_itemsize, grows=True)
+    return rows + checkpoints * state_bytes(layout, 0, 4, grows=False) + 4 * vocab

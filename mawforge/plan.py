@@ -1,9 +1,11 @@
-"""The budget model (MawForge paper §IV-D): L(p, n) = C + E(p) + K(n), F = L + O. No torch.
+"""The budget model (MawForge paper §IV-D): L(p, n) = C + E(p) + K(n) + P, F = L + O. No torch.
 
 C  resident common bytes: common.bin as loaded (less the embedding table when streamed) plus
    the float32 copies of norms, routers and biases the runtime keeps.
 E  expert-cache bytes: p percent of all routed expert bytes (page-rounded slots), or absolute.
 K  KV-cache bytes at context n: 2 * layers * kv_heads * head_dim * n * dtype size.
+P  prompt-cache bytes: saved prompts' KV rows, recurrent checkpoints and last logits
+   (engine/prompt_cache.py), --prompt-cache-gib or the auto rule of prompt_cache_bytes.
 O  runtime overhead: the framework's own resident memory (measured in-process when the
    runtime plans; FRAMEWORK_BYTES, calibrated for torch 2.13 CPU + MawForge, for the
    static `mawforge plan`), the largest activation working set of a
@@ -22,7 +24,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mawforge.byte_rules import is_dense, round_page, state_bytes
+from mawforge.byte_rules import is_dense, prompt_entry_bytes, round_page, state_bytes
 from mawforge.errors import BudgetRejected, FormatError
 from mawforge.pack.manifest import read_index, read_manifest
 
@@ -34,6 +36,12 @@ DEQUANT_TILE_BYTES = 3 * (1 << 18) * 4
 # 4.1-4.7 KiB; counted for every block of the pack, the most the cache can hold
 SLOT_OBJECT_BYTES = 6 << 10
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# the auto prompt cache: this many saved prompts of a full context each, and under a budget at
+# most this share of the room the expert cache would otherwise get
+PROMPT_CACHE_CONTEXTS = 2
+PROMPT_CACHE_ROOM_SHARE = 0.1
+
+
 @dataclass(frozen=True)
 class PackFacts:
     """What the planner needs from a pack, read from manifest.json and experts.index."""
@@ -99,6 +107,14 @@ def fixed_state_bytes(f: PackFacts) -> int:
     return state_bytes(f.kv_layers, 0, 4, grows=False)
 
 
+def prompt_cache_bytes(f: PackFacts, context: int, kv_dtype: str) -> int:
+    """The auto prompt-cache size: PROMPT_CACHE_CONTEXTS saved prompts of a full context (two
+    checkpoints each for a recurrent model)."""
+    layout = f.kv_layers or [{"kind": "kv", "kv_heads": f.n_kv_heads, "head_dim": f.head_dim}] * f.n_layers
+    checkpoints = 2 if any(s["kind"] == "recurrent" for s in layout) else 0
+    return PROMPT_CACHE_CONTEXTS * prompt_entry_bytes(layout, context, DTYPE_BYTES[kv_dtype], checkpoints, f.vocab)
+
+
 def framework_in_process() -> int:
     """The framework term measured in this process (when torch and the runtime are already
     imported): its RSS now, shared-library pages included, plus what the first forward
@@ -161,6 +177,8 @@ class Plan:
     max_cache_percent: float | None = None
     max_context: int | None = None
     pack_digest: str = ""
+    P: int = 0
+    prompt_cache_source: str = "off"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -169,7 +187,8 @@ class Plan:
         g = lambda n: f"{n / GiB:9.4f} GiB  ({n:,} B)"
         rows = [("C  resident common", g(self.C)), ("E  expert cache", g(self.E) + f"  {self.cache_percent:.1f}% [{self.cache_source}]"),
                 ("K  KV cache", g(self.K) + f"  context {self.context}, {self.kv_dtype}"),
-                ("L  = C + E + K", g(self.L)), ("O  runtime overhead", g(self.O)), ("F  = L + O", g(self.F)),
+                ("P  prompt cache", g(self.P) + f"  [{self.prompt_cache_source}]"),
+                ("L  = C + E + K + P", g(self.L)), ("O  runtime overhead", g(self.O)), ("F  = L + O", g(self.F)),
                 ("budget", g(self.budget_bytes) + f"  [{self.budget_source}]" if self.budget_bytes else "none given"),
                 ("min expert cache", g(self.min_cache_bytes) + "  (one layer's top-k blocks)"),
                 ("largest feasible cache", f"{self.max_cache_percent:.1f}%" if self.max_cache_percent is not None else "n/a"),
@@ -183,15 +202,19 @@ def make_plan(f: PackFacts, *, memory_budget_gib: float | None = None, context: 
               expert_cache_percent: float | None = None, expert_cache_gib: float | None = None,
               stream_embeddings: bool = False, kv_dtype: str | None = None, prefill_chunk: int = 128,
               budget_source: str = "--memory-budget-gib", framework_bytes: int | None = None,
-              extra_overhead_bytes: int = 0) -> Plan:
+              extra_overhead_bytes: int = 0, prompt_cache_gib: float | None = 0.0) -> Plan:
     """extra_overhead_bytes: memory the caller's own features hold beside the runtime (the
-    serve dashboard's kept route traces), counted in O."""
+    serve dashboard's kept route traces), counted in O. prompt_cache_gib: P in GiB (0: off),
+    None: the auto rule (prompt_cache_bytes; under a budget at most PROMPT_CACHE_ROOM_SHARE of
+    the expert cache's room, or only the budget's slack when the expert cache is given)."""
     if context < 1:
         raise FormatError(f"context must be positive, got {context}")
     if expert_cache_percent is not None and expert_cache_gib is not None:
         raise FormatError("give --expert-cache-percent or --expert-cache-gib, not both")
     if expert_cache_percent is not None and not 0 < expert_cache_percent <= 100:
         raise FormatError(f"--expert-cache-percent must be in (0, 100], got {expert_cache_percent}")
+    if prompt_cache_gib is not None and prompt_cache_gib < 0:
+        raise FormatError(f"--prompt-cache-gib must be 0 (off) or positive, got {prompt_cache_gib}")
     kvd = kv_dtype_for(f, kv_dtype)
     C = f.common_file_bytes - (f.embedding_bytes if stream_embeddings else 0) + f.dense_copy_bytes
     K, O = kv_bytes(f, context, kvd), overhead_bytes(f, context, prefill_chunk, framework_bytes) + extra_overhead_bytes
@@ -201,28 +224,37 @@ def make_plan(f: PackFacts, *, memory_budget_gib: float | None = None, context: 
         E, src = int(expert_cache_gib * GiB), "--expert-cache-gib"
     elif expert_cache_percent is not None:
         E, src = int(total * expert_cache_percent / 100), "--expert-cache-percent"
-    elif budget is not None:
-        E, src = max(0, min(total, budget - C - K - O)), "largest cache that fits F in the budget"
     else:
-        E, src = total, "default: 100% (no budget given)"
+        E, src = None, "largest cache that fits F in the budget" if budget is not None else "default: 100% (no budget given)"
+    if prompt_cache_gib is not None:
+        P, psrc = int(prompt_cache_gib * GiB), "--prompt-cache-gib" if prompt_cache_gib else "off"
+    else:
+        P, psrc = prompt_cache_bytes(f, context, kvd), f"auto: {PROMPT_CACHE_CONTEXTS} full contexts"
+        if budget is not None:
+            room = budget - C - K - O - (E if E is not None else 0)
+            cap = int(room * PROMPT_CACHE_ROOM_SHARE) if E is None else room
+            if cap < P:
+                P, psrc = max(0, cap), "auto, capped by the budget" + (" (its slack)" if E is not None else "")
+    if E is None:
+        E = max(0, min(total, budget - C - K - P - O)) if budget is not None else total
     E = min(E, total)
-    L = C + E + K
+    L = C + E + K + P
     reason = ""
     if E < f.min_cache_bytes:
         reason = (f"expert cache {E / GiB:.4f} GiB is below one layer's top-{f.top_k} working set "
                   f"({f.min_cache_bytes / GiB:.4f} GiB)")
     elif budget is not None and L > budget:
-        reason = f"L = C + E + K = {L / GiB:.4f} GiB exceeds the budget of {budget / GiB:.4f} GiB"
+        reason = f"L = C + E + K + P = {L / GiB:.4f} GiB exceeds the budget of {budget / GiB:.4f} GiB"
     max_pct = max_ctx = None
     if budget is not None:
-        room = budget - C - K
+        room = budget - C - K - P
         max_pct = max(0.0, min(100.0, 100.0 * room / total)) if room >= f.min_cache_bytes else 0.0
         fixed = fixed_state_bytes(f) if f.kv_layers else 0
         per_pos = kv_bytes(f, 1, kvd) - fixed
-        max_ctx = max(0, (budget - C - E - fixed) // per_pos)
+        max_ctx = max(0, (budget - C - E - P - fixed) // per_pos)
     return Plan(not reason, reason, budget, budget_source if budget is not None else "none", context, src,
                 C, E, K, O, L, L + O, total, 100.0 * E / total, f.min_cache_bytes, kvd, max_pct, max_ctx,
-                f.pack_digest)
+                f.pack_digest, P, psrc)
 
 
 def add_budget_arguments(p: argparse.ArgumentParser) -> None:
@@ -233,12 +265,17 @@ def add_budget_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-cache-gib", type=float, help="expert cache size in GiB")
     p.add_argument("--stream-embeddings", action="store_true", help="read token-embedding rows from the pack on demand")
     p.add_argument("--kv-dtype", choices=tuple(DTYPE_BYTES), help="KV cache dtype (default: float32 for F32 packs, else float16 as llama.cpp)")
+    p.add_argument("--prompt-cache-gib", type=float, default=None,
+                   help="bytes of saved prompts whose prefix a later request reuses (0: off; default: auto, "
+                        f"{PROMPT_CACHE_CONTEXTS} full contexts, under a budget at most "
+                        f"{PROMPT_CACHE_ROOM_SHARE:.0%} of the expert cache's room; off in `run`)")
 
 
 def plan_from_args(a: argparse.Namespace) -> Plan:
     return make_plan(PackFacts.from_pack(a.pack), memory_budget_gib=a.memory_budget_gib, context=a.context,
                      expert_cache_percent=a.expert_cache_percent, expert_cache_gib=a.expert_cache_gib,
-                     stream_embeddings=a.stream_embeddings, kv_dtype=a.kv_dtype)
+                     stream_embeddings=a.stream_embeddings, kv_dtype=a.kv_dtype,
+                     prompt_cache_gib=getattr(a, "prompt_cache_gib", 0.0))
 
 
 # ---- a draft model beside the target (speculative decoding) --------------------------------
@@ -308,7 +345,7 @@ def pair_plan_from_args(a: argparse.Namespace) -> PairPlan:
                           draft_pack=str(a.draft_pack), context=a.context,
                           expert_cache_percent=a.expert_cache_percent, expert_cache_gib=a.expert_cache_gib,
                           stream_embeddings=a.stream_embeddings, kv_dtype=a.kv_dtype,
-                          prefill_chunk=getattr(a, "prefill_chunk", 128))
+                          prefill_chunk=getattr(a, "prefill_chunk", 128), prompt_cache_gib=getattr(a, "prompt_cache_gib", 0.0))
 
 
 help = "say before loading whether a configuration fits a memory budget"

@@ -57,6 +57,7 @@ class Telemetry:
     schema: str = SCHEMA
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0              # prompt tokens taken from the prompt cache, not prefilled again
     ttft_s: float = 0.0                 # request start -> first token sampled
     prefill_s: float = 0.0
     decode_s: float = 0.0               # first token -> last token
@@ -88,7 +89,7 @@ class Telemetry:
     peak_rss_bytes: int = 0
     budget_bytes: int | None = None
     budget_source: str = ""
-    planned_footprint_bytes: int = 0    # F = C + E + K + O, plus the drafter's planned bytes
+    planned_footprint_bytes: int = 0    # F = C + E + K + P + O, plus the drafter's planned bytes
     planned_draft_bytes: int = 0        # a draft model's L (or MTP state) within F
     cache_policy: str = ""
     pack_digest: str = ""
@@ -97,15 +98,25 @@ class Telemetry:
                                                        "verify_steps": 0, "verify_width": 0.0,
                                                        "extra_materialized_bytes": 0})
 
+    # the prompt cache (engine/prompt_reuse.py): where the reuse came from ("live", "saved",
+    # "none"; "off" without a cache) and the store's state after the request
+    prompt_cache: dict = field(default_factory=lambda: {"source": "off"})
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def set_prompt_cache(self, reuse, cache) -> None:
+        self.cached_tokens = reuse.cached
+        self.prompt_cache = {"source": reuse.source if cache is not None else "off",
+                             **(cache.report() if cache is not None else {})}
 
     def set_stalls(self, meter: "StallMeter") -> None:
         self.decode_stall_token_share, self.decode_stall_p50_s, self.decode_stall_p95_s = meter.summary()
 
     def line(self) -> str:
         g = lambda n: f"{n / 2**30:.3f}GiB" if n >= 2**30 else f"{n / 2**20:.1f}MiB"
-        return (f"[telemetry] prompt {self.prompt_tokens} tok, completion {self.completion_tokens} tok | "
+        return (f"[telemetry] prompt {self.prompt_tokens} tok ({self.cached_tokens} cached), completion "
+                f"{self.completion_tokens} tok | "
                 f"TTFT {self.ttft_s:.3f}s | decode {self.decode_tok_s:.2f} tok/s | hits {self.hits} "
                 f"misses {self.misses} hit rate {100 * self.hit_rate:.1f}% evictions {self.evictions} | "
                 f"read stalls {100 * self.decode_stall_token_share:.0f}% of tokens, p50 "

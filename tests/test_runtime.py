@@ -264,7 +264,7 @@ def test_prefill_bytes_read_against_the_bytes_its_experts_need(packs):
     prompt = list(range(3, 83))                              # 80 tokens: 5 chunks of 16
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     for kw in (dict(expert_cache_percent=100), dict(expert_cache_gib=minimum / 2**30)):
-        rt = _runtime(pack, **kw)
+        rt = _runtime(pack, prompt_cache_gib=0, **kw)     # the repeat prefills again (no prompt cache)
         try:
             first = list(generate(rt, prompt, params))[-1].telemetry
             again = list(generate(rt, prompt, params))[-1].telemetry

@@ -38,7 +38,8 @@ def runtime_options(a: argparse.Namespace, reserved_bytes: int = 0):
                           policy=a.policy, prefetch=a.prefetch, device=a.device,
                           stream_embeddings=a.stream_embeddings, kv_dtype=a.kv_dtype,
                           direct_io=not a.no_direct_io, prefill_chunk=a.prefill_chunk, threads=a.threads,
-                          lookahead=a.lookahead, thread_governor=not a.no_thread_governor)
+                          lookahead=a.lookahead, thread_governor=not a.no_thread_governor,
+                          prompt_cache_gib=getattr(a, "prompt_cache_gib", 0.0))
 
 
 def make_recorder(a: argparse.Namespace):
@@ -96,6 +97,7 @@ class PrefillProgress:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_runtime_arguments(p)
+    p.set_defaults(prompt_cache_gib=0.0)      # one generation: no later prompt to reuse it
     p.add_argument("prompt")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--max-tokens", type=int, default=96)

@@ -13,6 +13,7 @@ from typing import Callable, Iterator, Protocol
 import torch
 
 from mawforge.engine.processors import TokenLogprob
+from mawforge.engine.prompt_reuse import prefill
 from mawforge.engine.runtime import Runtime
 from mawforge.engine.sampling import Sampler, SamplingParams
 from mawforge.text.tokenizer import Detokenizer
@@ -117,15 +118,14 @@ def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
     before = rt.cache.stats()
     emb_before = rt.weights.embedding_bytes_read
     t0 = time.perf_counter()
-    rt.reset()
     rt.cache.prefill_keys.clear()
-    logits = rt.forward(prompt)[-1]
+    logits, reuse = prefill(rt, prompt)      # reset, and reuse the longest cached prefix (engine/prompt_reuse.py)
     after = rt.cache.stats()
     read = lambda s: s["materialized_bytes"] + s["prefetch_issued_bytes"]    # demand reads and prefetch reads
     prefill_read = read(after) - read(before)
-    decoder = speculative.decoder(prompt, params, sampler) if speculative is not None else PlainDecoder(rt, sampler)
-    stalls = StallMeter()
+    stalls, decoder = StallMeter(), None
     try:
+        decoder = speculative.decoder(prompt, params, sampler) if speculative is not None else PlainDecoder(rt, sampler)
         context = list(prompt)
         batch = [sampler.sample(logits)]
         n, reason, t_first = 0, None, None
@@ -166,6 +166,7 @@ def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
                     tele.speculative = decoder.report() or tele.speculative
                     tele.planned_draft_bytes = tele.speculative.get("draft", {}).get("planned_bytes", 0)
                     tele.planned_footprint_bytes += tele.planned_draft_bytes
+                    tele.set_prompt_cache(reuse, rt.prompt_cache)
                     yield Event(tok, text, reason, tele, lp)
                     return
                 yield Event(tok, text, logprob=lp)
@@ -174,7 +175,9 @@ def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
             batch = decoder.step(context, min(params.max_tokens - n, rt.opts.context - rt.kv.pos))
             stalls.record(rt.cache.read_wait_seconds() - waited, len(batch))
     finally:
-        decoder.close()
+        reuse.release()                  # a dropped request unpins its entry here, at once
+        if decoder is not None:
+            decoder.close()
 
 
 def _telemetry(rt: Runtime, n_prompt: int, n_out: int, t0: float, t_first: float, before: dict,

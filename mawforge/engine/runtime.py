@@ -13,6 +13,8 @@ from mawforge.cache.store import ExpertStore
 from mawforge.models.kv import KVCache
 from mawforge.engine.allocator import bound_allocator
 from mawforge.engine.prefetch_auto import AUTO_PREFETCHER, PrefetchGovernor
+from mawforge.engine.prompt_cache import PromptStore
+from mawforge.engine.prompt_reuse import PromptCache
 from mawforge.engine.threads import ThreadGovernor
 from mawforge.text.tokenizer import load_tokenizer
 from mawforge.engine.weights import CommonWeights
@@ -57,6 +59,7 @@ class RuntimeOptions:
     lookahead: bool = False            # router lookahead prefetch, LOOKAHEAD layers ahead (on in "auto")
     reserved_bytes: int = 0            # a draft model's L in this process: the target plans in the rest
     extra_overhead_bytes: int = 0      # held beside the runtime by the caller (serve's dashboard): in O
+    prompt_cache_gib: float | None = None   # saved prompts (P); 0: off; None: plan.py's auto size
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 1:
@@ -64,7 +67,9 @@ class RuntimeOptions:
 
 
 class Runtime:
-    def __init__(self, pack: str | Path, opts: RuntimeOptions = RuntimeOptions(), recorder=None):
+    def __init__(self, pack: str | Path, opts: RuntimeOptions = RuntimeOptions(), recorder=None,
+                 prompt_store: PromptStore | None = None):
+        """prompt_store: a store shared with other runtimes (default: its own of the plan's P bytes)."""
         self.pack, self.opts = Path(pack), opts
         bound_allocator()                 # freed activations go back to the OS (engine/allocator.py)
         if opts.threads:
@@ -81,7 +86,8 @@ class Runtime:
                               expert_cache_gib=opts.expert_cache_gib, stream_embeddings=opts.stream_embeddings,
                               kv_dtype=opts.kv_dtype, prefill_chunk=opts.prefill_chunk,
                               framework_bytes=framework_in_process(), budget_source=source,
-                              extra_overhead_bytes=opts.extra_overhead_bytes)
+                              extra_overhead_bytes=opts.extra_overhead_bytes,
+                              prompt_cache_gib=opts.prompt_cache_gib)
         if not self.plan.feasible:
             raise BudgetRejected(f"plan rejected: {self.plan.reason}")
         if opts.stream_embeddings and self.cfg.tie_embeddings:
@@ -99,6 +105,9 @@ class Runtime:
                                  opts.policy, self.prefetch_spec, recorder)
         self.kv = KVCache.for_config(self.cfg, opts.context, getattr(torch, self.plan.kv_dtype), self.device)
         self.model = model_class(self.cfg.arch)(self.cfg, self.weights, self.cache, self.device)
+        # the prompt cache (engine/prompt_reuse.py; generate() prefills through it), None when off
+        store = prompt_store if prompt_store is not None else PromptStore(self.plan.P) if self.plan.P else None
+        self.prompt_cache = PromptCache(self, store) if store is not None else None
         self.lookahead = opts.lookahead or auto
         if self.lookahead:
             self.model.router_hook = self._lookahead
@@ -130,15 +139,15 @@ class Runtime:
             return self.prefetch_governor.report()
         return {"mode": self.prefetch_spec or "none", "lookahead": self.lookahead}
 
-    def reset(self) -> None:
-        """Start a new sequence. The thread governor re-measures its other choices in the coming
+    def reset(self, keep: int = 0) -> None:
+        """Start a new sequence (keeping the first `keep` positions: the prompt cache's). The thread governor re-measures its other choices in the coming
         windows: a choice made in one request's phase (a read-heavy prompt, say, where the I/O
         takes a core) need not hold in the next. The prefetch governor keeps its choice across
         requests (whether prefetch pays depends on the model, the budget and the disk, not on
         the request) and its periodic probes go on: re-measuring "off" for a window at every
         request cost a third of a 24-token request's tokens. It re-measures both when the
         reads a token change phase (PrefetchGovernor), a request's first window left out."""
-        self.kv.truncate(0)
+        self.kv.truncate(keep)
         if self.governor is not None:
             self.governor.chooser.reprobe()
         if self.prefetch_governor is not None:

@@ -49,6 +49,7 @@ class KVCache:
             self.v.append(grow[1] if len(grow) > 1 else None)
             self.state.append(fixed if spec["kind"] == "recurrent" else None)
         self.pos = 0            # committed positions
+        self.kept = 0           # leading positions not truncated away since the prompt cache noted them
         self.trail: dict[int, list[tuple[int, Replay]]] | None = None   # layer -> chunks since mark()
         self.trail_start = 0
         self._snap: dict[int, list[torch.Tensor]] = {}                  # recurrent state at mark()
@@ -129,6 +130,7 @@ class KVCache:
     def truncate(self, n: int) -> None:
         """Forget positions >= n (speculative rollback, or a new request). Recurrent state returns
         to the start, or to any position since mark(); the mark ends either way."""
+        self.kept = min(self.kept, n)
         if n >= self.pos:
             return
         if self.recurrent:
@@ -157,3 +159,33 @@ class KVCache:
                 left -= tokens
             if left > 0:
                 raise UnsupportedError(f"layer {layer} ran {m - left} tokens since the mark, not {m}: cannot roll back")
+
+    # ---- the prompt cache's copies (engine/prompt_reuse.py) ----------------------------
+    def _growing(self) -> list[torch.Tensor]:
+        return [t for pair in zip(self.k, self.v) for t in pair if t is not None]
+
+    def export_rows(self, n: int) -> list[torch.Tensor]:
+        """Copies of the first n positions of every layer's k, v or latent rows."""
+        return [_head(t, n).clone() for t in self._growing()]
+
+    def import_rows(self, rows: list[torch.Tensor], n: int) -> None:
+        """Start over at position n from export_rows copies (of n positions or more); recurrent
+        state is zeroed: import_state sets it."""
+        self.truncate(0)
+        for t, r in zip(self._growing(), rows):
+            _head(t, n).copy_(_head(r, n))
+        self.pos = n
+
+    def export_state(self) -> list[list[torch.Tensor]]:
+        """Copies of every recurrent layer's state (empty without recurrent layers)."""
+        return [[t.clone() for t in s] for s in self.state if s]
+
+    def import_state(self, saved: list[list[torch.Tensor]]) -> None:
+        for s, src in zip((s for s in self.state if s), saved):
+            for dst, x in zip(s, src):
+                dst.copy_(x)
+
+
+def _head(t: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n positions of a growing tensor: kv [G, ctx, D], latent [ctx, R]."""
+    return t[:, :n] if t.dim() == 3 else t[:n]

@@ -39,7 +39,7 @@ from mawforge.serve.choices import Answer
 from mawforge.serve.servecli import add_chat_arguments, chat_settings
 from mawforge.serve.structured import request_constraint
 from mawforge.serve.dashboard import Board
-from mawforge.serve.metrics import Metrics
+from mawforge.serve.metrics import Metrics, prompt_cache_gauges
 from mawforge.serve.responses import ResponsesApi, ResponseStore, add_responses_arguments, store_from_args
 from mawforge.serve.server import ServerThread, _Server, bind  # noqa: F401  (ServerThread: tests and bench import it here)
 from mawforge.serve.worker import Channel, EngineWorker, Failure, Job, Ledger, QueueFull, ShuttingDown
@@ -97,7 +97,8 @@ class Api:
                 "expert_cache_bytes": (p.E, "expert cache budget E"),
                 "kv_cache_bytes": (p.K, "KV cache bytes K"),
                 "resident_common_bytes": (p.C, "resident common bytes C"),
-                "planned_footprint_bytes": (p.F, "planned footprint F = C + E + K + O"),
+                "planned_footprint_bytes": (p.F, "planned footprint F = C + E + K + P + O"),
+                **prompt_cache_gauges(self.rt),
                 "budget_bytes": (p.budget_bytes or 0, "memory budget (0 = none given)"),
                 "rss_bytes": (rss_bytes(), "resident set of the server process"),
                 "peak_rss_bytes": (peak_rss_bytes(), "peak resident set of the server process")}
@@ -361,7 +362,8 @@ def main(a: argparse.Namespace) -> int:
         plan = make_plan(PackFacts.from_pack(a.pack), memory_budget_gib=opts.memory_budget_gib, context=opts.context,
                          expert_cache_percent=opts.expert_cache_percent, expert_cache_gib=opts.expert_cache_gib,
                          stream_embeddings=opts.stream_embeddings, kv_dtype=opts.kv_dtype,
-                         prefill_chunk=opts.prefill_chunk, extra_overhead_bytes=opts.extra_overhead_bytes)
+                         prefill_chunk=opts.prefill_chunk, extra_overhead_bytes=opts.extra_overhead_bytes,
+                         prompt_cache_gib=opts.prompt_cache_gib)
     if not plan.feasible:
         print(plan.table(), file=sys.stderr)
         print(f"mawforge serve: refusing to start: plan rejected: {plan.reason}", file=sys.stderr)

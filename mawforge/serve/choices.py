@@ -21,12 +21,15 @@ _SUMMED = ("completion_tokens", "decode_s", "total_s", "hits", "misses", "evicti
            "prefetch_stall_s", "prefill_read_bytes", "prefill_needed_bytes", "embedding_bytes_read")
 
 
-def merge(tels: list[Telemetry], prompt_tokens: int) -> Telemetry:
-    """One request's telemetry from its choices': counters and times summed, each prompt counted
-    once (usage), TTFT the first choice's, sizes and the finish reason the last one's."""
+def merge(tels: list[Telemetry], prompt_tokens: int, n: int = 1) -> Telemetry:
+    """One request's telemetry from its choices' (n per prompt, in order): counters and times
+    summed, each prompt counted once (usage; its cached tokens those of its first choice, as the
+    later ones reuse the first's prefill), TTFT the first choice's, sizes and the finish reason the
+    last one's."""
     if len(tels) == 1 and tels[0].prompt_tokens == prompt_tokens:
         return tels[0]
     out = replace(tels[-1], prompt_tokens=prompt_tokens, ttft_s=tels[0].ttft_s, prefill_s=tels[0].prefill_s,
+                  cached_tokens=sum(t.cached_tokens for t in tels[::n]),
                   **{k: sum(getattr(t, k) for t in tels) for k in _SUMMED})
     out.hit_rate = out.hits / (out.hits + out.misses) if out.hits + out.misses else 0.0
     steps = out.completion_tokens - len(tels)
@@ -84,7 +87,7 @@ class Answer:
             by[i].append(ev)
         tel = items[-1][1].telemetry
         body = P.response(self.kind, self.rid, self.created, self.model, "", tel.finish_reason,
-                          P.usage(tel.prompt_tokens, tel.completion_tokens), tel.to_dict())
+                          P.usage(tel.prompt_tokens, tel.completion_tokens, tel.cached_tokens), tel.to_dict())
         body["choices"] = [self._choice(i, evs) for i, evs in enumerate(by) if evs]
         return body
 
@@ -124,6 +127,6 @@ class Answer:
         fin["choices"][0]["index"] = i
         out.append(fin)
         if usage_chunk:
-            out.append(P.chunk(kind, rid, created, model, use=P.usage(t.prompt_tokens, t.completion_tokens),
+            out.append(P.chunk(kind, rid, created, model, use=P.usage(t.prompt_tokens, t.completion_tokens, t.cached_tokens),
                                telemetry=t.to_dict(), choices=False))
         return out

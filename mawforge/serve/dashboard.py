@@ -48,7 +48,7 @@ MAX_TRACE_ROWS = 32768      # ... each at most this many (token, layer) rows of 
 def kept_trace_bytes(top_k: int) -> int:
     """The most the kept route traces hold (experts int16 + weights float32 per routed slot)."""
     return KEEP_TRACES * MAX_TRACE_ROWS * top_k * 6
-REQUEST_FIELDS = ("prompt_tokens", "completion_tokens", "ttft_s", "decode_tok_s", "hit_rate", "hits",
+REQUEST_FIELDS = ("prompt_tokens", "cached_tokens", "completion_tokens", "ttft_s", "decode_tok_s", "hit_rate", "hits",
                   "misses", "evictions", "materialized_bytes", "prefetched_bytes", "prefetch_useful_bytes",
                   "prefetch_wasted_bytes", "demand_load_s", "prefetch_stall_s", "peak_rss_bytes",
                   "finish_reason", "total_s")
@@ -143,7 +143,8 @@ class Sampler:
                 "resident": np.flatnonzero(snap["resident_map"]).tolist(), "pinned": [flat(k) for k in snap["pinned"]],
                 "prefetched": [flat(k) for k in snap["prefetch_pending"]], "events": events, "point": point,
                 "used_bytes": snap["used_bytes"], "rss_bytes": rss_bytes(), "peak_rss_bytes": peak_rss_bytes(),
-                "queue_depth": b.worker.queue_depth, "requests_seq": b.seq}
+                "queue_depth": b.worker.queue_depth, "requests_seq": b.seq,
+                "prompt_cache": b.rt.prompt_cache.report() if b.rt.prompt_cache is not None else None}
 
 
 class Board:
@@ -230,7 +231,7 @@ class Board:
                 "n_experts": rt.cfg.n_experts, "top_k": rt.cfg.top_k, "context": rt.opts.context,
                 "policy": rt.opts.policy, "prefetch": rt.prefetch_spec or "none", "interval_s": self.interval_s,
                 "heat_fields": list(HEAT_FIELDS), "auth": self.api_key is not None,
-                "plan": {"C": p.C, "E": p.E, "K": p.K, "O": p.O, "L": p.L, "F": p.F,
+                "plan": {"C": p.C, "E": p.E, "K": p.K, "P": p.P, "O": p.O, "L": p.L, "F": p.F,
                          "budget_bytes": p.budget_bytes, "budget_source": p.budget_source,
                          "cache_percent": p.cache_percent, "feasible": p.feasible}}
 

@@ -33,6 +33,7 @@ class _LedgerCollector:
             requests = sorted(led.requests.items())
             finished = sorted(led.finished.items())
             totals, seconds = dict(led.totals), dict(led.seconds)
+            totals["prompt_cache_hits"] = led.prompt_cache_hits
         c = CounterMetricFamily(PREFIX + "requests", "HTTP requests by endpoint and status",
                                 labels=["endpoint", "status"])
         for (endpoint, status), n in requests:
@@ -49,6 +50,14 @@ class _LedgerCollector:
             yield CounterMetricFamily(f"{PREFIX}{k}_seconds", f"sum of {k} time over requests", value=round(v, 6))
         for name, (value, doc) in self.gauges().items():
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+
+
+def prompt_cache_gauges(rt) -> dict[str, tuple[float, str]]:
+    """The prompt cache's store (engine/prompt_cache.py) as gauges; zeros when it is off."""
+    r = rt.prompt_cache.report() if rt.prompt_cache is not None else {}
+    return {"prompt_cache_budget_bytes": (rt.plan.P, "prompt cache budget P (0: off)"),
+            "prompt_cache_held_bytes": (r.get("held_bytes", 0), "bytes of saved prompts held"),
+            "prompt_cache_entries": (r.get("entries", 0), "saved prompts held")}
 
 
 class Metrics:

@@ -273,9 +273,11 @@ def parse_request(kind: str, body: dict, model_id: str, default_max_tokens: int)
 
 # ---- responses ---------------------------------------------------------------------------
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; prompt_tokens_details.cached_tokens: the prompt cache's reuse."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _object(kind: str, chunk: bool) -> str:

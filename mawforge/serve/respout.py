@@ -87,7 +87,8 @@ class Output:
         if status in ("failed", "cancelled"):
             r["error"] = {"code": code, "message": error or "the request was cancelled"}
         if telemetry is not None:
-            r["usage"] = usage(telemetry.prompt_tokens, telemetry.completion_tokens, self.reasoning_tokens)
+            r["usage"] = usage(telemetry.prompt_tokens, telemetry.completion_tokens, self.reasoning_tokens,
+                               telemetry.cached_tokens)
             r["telemetry"] = telemetry.to_dict()
         return events + [self._ev(TERMINAL[status], response=r)]
 

@@ -98,13 +98,14 @@ class ShuttingDown(Exception):
 class Ledger:
     """Counters for /metrics and the JSON-lines telemetry log; safe to call from any thread."""
 
-    COUNTERS = ("prompt_tokens", "completion_tokens", "hits", "misses", "evictions", "materialized_bytes",
+    COUNTERS = ("prompt_tokens", "cached_tokens", "completion_tokens", "hits", "misses", "evictions", "materialized_bytes",
                 "prefetched_bytes", "prefetch_useful_bytes", "prefetch_wasted_bytes", "embedding_bytes_read")
 
     def __init__(self, log_path: str | None = None):
         self.lock = threading.Lock()
         self.requests: dict[tuple[str, int], int] = {}
         self.totals = dict.fromkeys(self.COUNTERS, 0)
+        self.prompt_cache_hits = 0     # requests that reused a cached prompt prefix
         self.seconds = {"ttft": 0.0, "decode": 0.0, "total": 0.0, "queue": 0.0}
         self.finished = {}
         self.mean_total_s = 0.0        # exponential mean of engine time per request, for Retry-After
@@ -123,6 +124,7 @@ class Ledger:
             if telemetry is not None:
                 for k in self.COUNTERS:
                     self.totals[k] += telemetry[k]
+                self.prompt_cache_hits += telemetry["cached_tokens"] > 0
                 for k in ("ttft", "decode", "total"):
                     self.seconds[k] += telemetry[f"{k}_s"]
                 r = telemetry["finish_reason"]
@@ -233,7 +235,7 @@ class EngineWorker:
                     if ev.telemetry is not None:
                         done.append(ev.telemetry)
                         if i == len(choices) - 1 or ev.finish_reason == "cancelled":
-                            ev = replace(ev, telemetry=merge(done, sum(map(len, job.prompts or [job.prompt]))))
+                            ev = replace(ev, telemetry=merge(done, sum(map(len, job.prompts or [job.prompt])), job.n))
                             self._log(job, ev.telemetry.to_dict(), queue_s)    # before the client sees the end
                     job.channel.put((i, ev))
                 if ev.finish_reason == "cancelled":

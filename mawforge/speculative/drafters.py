@@ -109,7 +109,7 @@ class DraftModelDrafter(Drafter, name="draft"):
         self.rt = Runtime(options.draft_pack, RuntimeOptions(
             context=target.opts.context, expert_cache_percent=options.draft_cache_percent,
             policy=target.opts.policy, device=target.opts.device, kv_dtype=target.opts.kv_dtype,
-            direct_io=target.opts.direct_io, prefill_chunk=target.opts.prefill_chunk))
+            direct_io=target.opts.direct_io, prefill_chunk=target.opts.prefill_chunk, prompt_cache_gib=0.0))
         mine = self.rt.tokenizer.tok.get_vocab(with_added_tokens=True)
         theirs = target.tokenizer.tok.get_vocab(with_added_tokens=True)
         if mine != theirs:

@@ -31,7 +31,7 @@ const fmtPct = (x) => (x === null || x === undefined) ? "–" : (100 * x).toFixe
 const fmtS = (x) => (x === null || x === undefined) ? "–" : (x < 1 ? (1000 * x).toFixed(1) + " ms" : x.toFixed(2) + " s");
 const fmtNum = (x, d = 2) => (x === null || x === undefined) ? "–" : Number(x).toFixed(d);
 const FIELDS = [              // [telemetry key, label, formatter] for the last response and the table
-  ["prompt_tokens", "prompt tokens", String], ["completion_tokens", "completion tokens", String],
+  ["prompt_tokens", "prompt tokens", String], ["cached_tokens", "cached tokens", String], ["completion_tokens", "completion tokens", String],
   ["ttft_s", "TTFT", fmtS], ["decode_tok_s", "decode tok/s", (x) => fmtNum(x)],
   ["hit_rate", "hit rate", fmtPct], ["hits", "hits", String], ["misses", "misses", String],
   ["evictions", "evictions", String], ["materialized_bytes", "read (materialized)", fmtBytes],
@@ -90,6 +90,9 @@ function onFrame(f) {
   $("cache-summary").textContent = `${f.resident.length} blocks resident (${fmtBytes(f.used_bytes)} of ${fmtBytes(E)}), ` +
     `${f.pinned.length} pinned, ${f.prefetched.length} prefetched and not yet used · KV position ${f.kv_pos}` +
     (f.request_id ? ` · ${f.request_id}` : "");
+  const pc = f.prompt_cache;
+  $("prompt-cache").textContent = pc ? `prompt cache: ${pc.hits} hits of ${pc.lookups}, ${pc.cached_tokens} tokens ` +
+    `cached, ${pc.entries} saved (${fmtBytes(pc.held_bytes)} of ${fmtBytes(pc.budget_bytes)})` : "prompt cache off";
   $("phase").textContent = f.phase; $("phase").className = "pill " + f.phase;
   $("rss").textContent = fmtBytes(f.rss_bytes); $("peak-rss").textContent = fmtBytes(f.peak_rss_bytes);
   $("queue").textContent = f.queue_depth;
@@ -194,7 +197,7 @@ function drawPlan(f) {
     out += `<line x1="${px(p.budget_bytes)}" x2="${px(p.budget_bytes)}" y1="2" y2="78" stroke="#e5534b" stroke-width="2" stroke-dasharray="4 3"/>`;
     out += `<text x="${Math.min(px(p.budget_bytes) - 4, W - 10)}" y="92" fill="#e5534b" font-size="11" text-anchor="end">budget ${fmtBytes(p.budget_bytes)}</text>`;
   }
-  out += `<text x="${left}" y="110" fill="#8a93a3" font-size="11">C ${fmtBytes(p.C)} + E ${fmtBytes(p.E)} (${p.cache_percent.toFixed(1)}% of experts) + K ${fmtBytes(p.K)} + O ${fmtBytes(p.O)} = F ${fmtBytes(p.F)}</text>`;
+  out += `<text x="${left}" y="110" fill="#8a93a3" font-size="11">C ${fmtBytes(p.C)} + E ${fmtBytes(p.E)} (${p.cache_percent.toFixed(1)}% of experts) + K ${fmtBytes(p.K)} + P ${fmtBytes(p.P)} + O ${fmtBytes(p.O)} = F ${fmtBytes(p.F)}</text>`;
   svg.innerHTML = out;
   $("plan-caption").textContent = p.budget_bytes ? `budget ${fmtBytes(p.budget_bytes)} (${p.budget_source})` : "no memory budget given";
 }
