@@ -90,8 +90,7 @@ class Server:
         self.log = log
         self.t0 = time.perf_counter()
         with open(log, "w") as f:
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
     def ready(self, find_url, timeout: float) -> float:
         """Wait until find_url() gives the base URL; the seconds the server took to come up."""
@@ -156,8 +155,22 @@ def ftllm_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
-FTLLM_MAIN = ("import sys; sys.path += [p for p in {extra!r} if p]; sys.argv = ['ftllm'] + sys.argv[1:]; "
-              "from ftllm.cli import main; sys.exit(main())")
+# fastllm's --chat_template is ignored for a GGUF (it sets the template only on an HF folder's
+# tokenizer), and its tool calls need that tokenizer's template: the launcher gives the tokenizer it
+# rebuilds from the GGUF our template, as --chat_template does for a folder.
+FTLLM_MAIN = """import sys
+sys.path += [p for p in {extra!r} if p]
+import ftllm.llm as llm
+rebuild = llm.try_load_gguf_tokenizer
+def with_template(path):
+    t = rebuild(path)
+    if t is not None:
+        t.chat_template = open({template!r}).read()
+    return t
+llm.try_load_gguf_tokenizer = with_template
+sys.argv = ["ftllm"] + sys.argv[1:]
+from ftllm.cli import main
+sys.exit(main())"""
 
 
 def ftllm_check(venv: Path, extra: list[str]) -> str | None:
@@ -174,27 +187,15 @@ def ftllm_check(venv: Path, extra: list[str]) -> str | None:
     return None
 
 
-def ftllm_tokenizer_dir(venv: Path, extra: list[str], gguf: Path, template: Path, out: Path) -> Path:
-    """fastllm ignores --chat_template for a GGUF and refuses tool calls without an HF tokenizer
-    that has a template: its own tokenizer rebuilt from the GGUF, saved with ours, is its --ori."""
-    if not (out / "tokenizer_config.json").exists():
-        code = (f"import sys; sys.path += {extra!r}; from ftllm.gguf_metadata import try_load_gguf_tokenizer; "
-                f"t = try_load_gguf_tokenizer({str(gguf)!r}); t.chat_template = open({str(template)!r}).read(); "
-                f"t.save_pretrained({str(out)!r})")
-        subprocess.run([str(ftllm_python(venv)), "-c", code], check=True, capture_output=True, timeout=600)
-    return out
-
-
-def ftllm_command(venv: Path, extra: list[str], gguf: Path, ori: Path, port: int, context: int,
-                  limit_gib: float | None, cache_gib: float | None) -> list[str]:
-    """fastllm at its default of 1 thread; under a limit its disk-MoE mode with an expert cache of
-    `cache_gib` (its KV pool and dense weights take ~4 GiB besides)."""
-    cmd = [str(ftllm_python(venv)), "-c", FTLLM_MAIN.format(extra=extra), "serve", str(gguf), "--ori", str(ori),
+def ftllm_command(venv: Path, extra: list[str], gguf: Path, template: Path, port: int, context: int,
+                  cache_gib: float) -> list[str]:
+    """fastllm at its default of 1 thread in its disk-MoE mode with an expert cache of `cache_gib`
+    (its KV pool and dense weights take ~4 GiB besides; resident: a cache the size of the file.
+    Its NUMA CPU-MoE mode, the default, did not finish its warm-up here on 2 busy cores)."""
+    cmd = [str(ftllm_python(venv)), "-c", FTLLM_MAIN.format(extra=extra, template=str(template)), "serve", str(gguf),
            "-t", "1", "--host", "127.0.0.1", "--port", str(port), "--model_name", MODEL_ID,
            "--max_context_length", str(context)]
-    if limit_gib is not None:
-        cmd += ["--moe_device", "disk", "--moe_cpu_cache", f"{int(cache_gib * 1024)}m"]
-    return cmd
+    return cmd + ["--moe_device", "disk", "--moe_cpu_cache", f"{int(cache_gib * 1024)}m"]
 
 
 def serve_turns(server: Server, find_url, workload: dict, max_tokens: int, turn_timeout: float,

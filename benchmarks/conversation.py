@@ -14,8 +14,9 @@ limit for a limit; the order alternates between --rounds):
   mawforge   `mawforge serve` (--memory-budget-gib 0.92 x limit), the openai client, streamed
   llama.cpp  llama-cpp-python in a worker child, fed the token ids of MawForge's chat template
              (its default prefix reuse keeps the longest common prefix of the previous call)
-  fastllm    `ftllm serve` (1.9.0) on the same GGUF, 1 thread (its default), disk-MoE mode with an
-             expert cache of limit - 4.5 GiB under a limit (its KV pool and dense weights take ~4)
+  fastllm    `ftllm serve` (1.9.0) on the same GGUF, 1 thread (its default), its disk-MoE mode with
+             an expert cache of limit - 4.5 GiB under a limit (its KV pool and dense weights take
+             ~4), of the file's size resident
 All engines render with benchmarks/qwen_tools.jinja (Qwen2.5's tool template): the file's own
 ChatML template cannot show tools. max_tokens 8 per turn, greedy.
 
@@ -183,8 +184,8 @@ def run_engine(name: str, a, wl: dict, ids: list[list[int]], gib: float | None, 
         srv = E.Server(E.maw_command(pack, TEMPLATE, context, THREADS, gib, not tied, a.maw_args.split()), log, limit)
         return E.serve_turns(srv, E.maw_url, wl, a.max_tokens, a.turn_timeout, a.ready_timeout)
     port = E.free_port()
-    cache = max(0.5, gib - 4.5) if gib else None
-    cmd = E.ftllm_command(a.ftllm_venv, a.ftllm_extra, gguf, a.ftllm_ori, port, context, gib, cache)
+    cache = max(0.5, gib - 4.5) if gib else max(0.5, 1.05 * os.path.getsize(gguf) / E.GiB)
+    cmd = E.ftllm_command(a.ftllm_venv, a.ftllm_extra, gguf, TEMPLATE, port, context, cache)
     r = E.serve_turns(E.Server(cmd, log, limit), E.probe_url(port), wl, a.max_tokens, a.turn_timeout,
                       a.ready_timeout)
     r["moe_cpu_cache_gib"] = cache
@@ -280,10 +281,7 @@ def main() -> int:
     engines = [e for e in a.engines.split(",") if e]
     if "fastllm" in engines:
         why = E.ftllm_check(a.ftllm_venv, a.ftllm_extra)
-        if why is None:
-            a.ftllm_ori = E.ftllm_tokenizer_dir(a.ftllm_venv, a.ftllm_extra, gguf, TEMPLATE,
-                                                WORK / f"{gguf.stem}.ftllm-tokenizer")
-        else:
+        if why is not None:
             print(f"fastllm skipped: {why}", flush=True)
             engines.remove("fastllm")
     limits = [float(x) for x in a.limits.split(",") if x.strip()]
