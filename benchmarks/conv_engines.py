@@ -110,8 +110,19 @@ class Server:
         except OSError:
             return ""
 
+    def peak_rss_bytes(self) -> int | None:
+        """The server's own peak RSS (VmHWM; the cgroup wrapper execs into the server)."""
+        try:
+            for line in open(f"/proc/{self.proc.pid}/status"):
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return None
+
     def close(self) -> dict:
         stats = self.cg.stats() if self.cg else {}
+        stats["peak_rss_bytes"] = self.peak_rss_bytes()
         if self.proc.poll() is None:
             self.proc.terminate()
             try:

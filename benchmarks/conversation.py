@@ -17,8 +17,10 @@ limit for a limit; the order alternates between --rounds):
   fastllm    `ftllm serve` (1.9.0) on the same GGUF, 1 thread (its default), its disk-MoE mode with
              an expert cache of limit - 4.5 GiB under a limit (its KV pool and dense weights take
              ~4), of the file's size resident
-All engines render with benchmarks/qwen_tools.jinja (Qwen2.5's tool template): the file's own
-ChatML template cannot show tools. max_tokens 8 per turn, greedy.
+All engines render with Qwen3's own chat template (Qwen3-30B-A3B ships the one llama.cpp keeps as
+Qwen-Qwen3-0.6B.jinja, read from the pinned llama-cpp-python sdist; benchmarks/qwen_tools.jinja,
+Qwen2.5's tool format, when the sdist is missing): the files' own ChatML template cannot show
+tools. max_tokens 8 per turn, greedy.
 
     python benchmarks/conversation.py [--limits 0,8] [--rounds 2] [--workloads chat,agent]
     python benchmarks/conversation.py --gguf mawforge/demo/mawforge-demo-qwen3moe-Q4_K_M.gguf --scale 0.1 --limits 0
@@ -44,7 +46,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import conv_engines as E  # noqa: E402
 from common import ROOT, WORK, machine, pack_of, save, synth_model, worker_row  # noqa: E402
 
-TEMPLATE = Path(__file__).with_name("qwen_tools.jinja")
+FALLBACK_TEMPLATE = Path(__file__).with_name("qwen_tools.jinja")
 THREADS = int(os.environ.get("MAWFORGE_BENCH_THREADS", "2"))
 WORDS = ("the system data model memory request server token cache layer expert budget file disk read write "
          "time value state table field number result error config option client answer question message "
@@ -134,15 +136,24 @@ def agent_workload(render, tok, scale: float, seed: int) -> dict:
     return {"tools": TOOLS, "turns": turns}
 
 
-def renderer(pack: Path):
+def qwen3_template() -> Path:
+    from mawforge.fixtures.sdist_templates import SdistMissing, template_dir
+    try:
+        return template_dir() / "Qwen-Qwen3-0.6B.jinja"
+    except SdistMissing as e:
+        print(f"no llama-cpp-python sdist ({e}): Qwen2.5's template {FALLBACK_TEMPLATE.name} instead", flush=True)
+        return FALLBACK_TEMPLATE
+
+
+def renderer(pack: Path, template: Path):
     """(render(messages, tools) -> token ids, tokenizer): the prompt `mawforge serve` builds for
-    the same request with --chat-template-file TEMPLATE."""
+    the same request with --chat-template-file template."""
     from mawforge.engine.chat import ChatTemplate
     from mawforge.engine.tokenizer import load_tokenizer
     from mawforge.pack.manifest import read_manifest
     from mawforge.serve.chatreq import ChatDefaults, ChatFront, parse_chat_options
     tok = load_tokenizer(pack, read_manifest(pack).tokenizer)
-    front = ChatFront(ChatTemplate(TEMPLATE.read_text(), tok.chat.bos, tok.chat.eos), ChatDefaults())
+    front = ChatFront(ChatTemplate(template.read_text(), tok.chat.bos, tok.chat.eos), ChatDefaults())
 
     def render(messages: list, tools: list | None) -> list[int]:
         body = {"messages": messages, **({"tools": tools} if tools else {})}
@@ -175,17 +186,20 @@ def run_engine(name: str, a, wl: dict, ids: list[list[int]], gib: float | None, 
     if name == "llama.cpp":
         req = WORK / f"conv-{tag}.ids.json"
         req.write_text(json.dumps(ids))
+        # under a limit its default load (the weights copied into repacked buffers) cannot fit
+        repack_off = a.llama_repack_off or limit is not None
         args = ["--model", str(gguf), "--requests", str(req), "--context", str(context),
-                "--turn-timeout", str(a.turn_timeout)] + (["--no-repack"] if a.llama_repack_off else [])
+                "--turn-timeout", str(a.turn_timeout)] + (["--no-repack"] if repack_off else [])
         r = worker_row(__file__, args, limit, timeout=a.turn_timeout * len(ids) + 600)
-        return {k: v for k, v in r.items() if k not in ("stdout",)}
+        r["load"] = "repack off" if repack_off else "default"
+        return r
     if name == "mawforge":
-        tied = _tied(pack)
-        srv = E.Server(E.maw_command(pack, TEMPLATE, context, THREADS, gib, not tied, a.maw_args.split()), log, limit)
+        cmd = E.maw_command(pack, a.chat_template, context, THREADS, gib, not _tied(pack), a.maw_args.split())
+        srv = E.Server(cmd, log, limit)
         return E.serve_turns(srv, E.maw_url, wl, a.max_tokens, a.turn_timeout, a.ready_timeout)
     port = E.free_port()
     cache = max(0.5, gib - 4.5) if gib else max(0.5, 1.05 * os.path.getsize(gguf) / E.GiB)
-    cmd = E.ftllm_command(a.ftllm_venv, a.ftllm_extra, gguf, TEMPLATE, port, context, cache)
+    cmd = E.ftllm_command(a.ftllm_venv, a.ftllm_extra, gguf, a.chat_template, port, context, cache)
     r = E.serve_turns(E.Server(cmd, log, limit), E.probe_url(port), wl, a.max_tokens, a.turn_timeout,
                       a.ready_timeout)
     r["moe_cpu_cache_gib"] = cache
@@ -215,7 +229,10 @@ def report(rows: list[dict], workloads: dict, configs: list[str], engines: list[
         for (c, e), rs in by.items():
             if not rs:
                 continue
-            print(f"\n## {w} / {c} / {e}: " + ", ".join(r["status"] for r in rs))
+            peak = max(r.get("peak_rss_bytes") or r.get("cgroup", {}).get("peak_rss_bytes") or 0 for r in rs)
+            up = statistics.median(r.get("ready_s") or r.get("load_s") or 0 for r in rs)
+            print(f"\n## {w} / {c} / {e}: " + ", ".join(r["status"] for r in rs) + f"; load/ready {up:.1f} s, "
+                  f"peak RSS {peak / E.GiB:.2f} GiB" + (f" ({rs[0]['load']} load)" if "load" in rs[0] else ""))
             print(f"{'turn':>4s} {'prompt':>7s} {'cached':>7s} {'TTFT s':>8s} {'tok/s':>7s} {'server TTFT':>11s} "
                   f"{'prefill read GB':>15s}")
             for t in range(n):
@@ -260,6 +277,7 @@ def main() -> int:
     ap.add_argument("--turn-timeout", type=float, default=900, help="seconds a turn may take before the row stops")
     ap.add_argument("--ready-timeout", type=float, default=1200, help="seconds a server may take to come up")
     ap.add_argument("--llama-repack-off", action="store_true", help="llama.cpp's repack-off load (mmap)")
+    ap.add_argument("--chat-template", type=Path, help="a jinja chat template for every engine (default: Qwen3's)")
     ap.add_argument("--maw-args", default="", help="extra `mawforge serve` arguments")
     ap.add_argument("--ftllm-venv", type=Path, default=ROOT / "work" / "ftllm-venv")
     ap.add_argument("--ftllm-sys-path", default="",
@@ -274,7 +292,8 @@ def main() -> int:
         gguf = link
     pack = pack_of(gguf)
     a.ftllm_extra = [p for p in a.ftllm_sys_path.split(os.pathsep) if p]
-    render, tok = renderer(pack)
+    a.chat_template = (a.chat_template or qwen3_template()).resolve()
+    render, tok = renderer(pack, a.chat_template)
     workloads = {"chat": chat_workload(a.scale, a.seed), "agent": agent_workload(render, tok, a.scale, a.seed)}
     workloads = {w: workloads[w] for w in a.workloads.split(",") if w}
     ids = {w: [render(m, wl["tools"]) for m in wl["turns"]] for w, wl in workloads.items()}
@@ -304,7 +323,8 @@ def main() -> int:
     stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     print(f"\n# conversation benchmark, {machine()}, {stamp}, {THREADS} threads (fastllm 1), file {gguf.name} "
           f"({os.path.getsize(gguf) / 1e9:.2f} GB), scale {a.scale}, max_tokens {a.max_tokens}, "
-          f"llama.cpp {'repack off' if a.llama_repack_off else 'default load'}")
+          f"llama.cpp resident {'repack off' if a.llama_repack_off else 'default load'}, "
+          f"template {a.chat_template.name}")
     report(rows, workloads, configs, engines)
     print(f"saved {save('conversation', {'machine': machine(), 'date': stamp, 'args': vars(a), 'rows': rows})}")
     return 0
