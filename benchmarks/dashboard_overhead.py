@@ -117,7 +117,8 @@ def frame_cost_at(layers: int, experts: int, top_k: int = 8, percent: float = 25
 
     import numpy as np
 
-    from mawforge.cache.core import CacheCore, RouteDriver
+    from mawforge.cache.core import CacheCore
+    from mawforge.cache.driver import RouteDriver
     from mawforge.cache.policies import make_policy
     from mawforge.serve.dashboard import Board, Sampler, _sse
     core = CacheCore(int(layers * experts * 100 * percent / 100), make_policy("lru"))

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from helpers import dashboard_pack
 
-from mawforge.cache.core import HEAT_FIELDS, CacheCore, RouteDriver
+from mawforge.cache.core import HEAT_FIELDS, CacheCore
+from mawforge.cache.driver import RouteDriver
 from mawforge.cache.policies import make_policy
 from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.serve.app import ServerThread, build_app

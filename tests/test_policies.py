@@ -5,8 +5,8 @@ resident set after each access (oldest first, for the policy's own order)."""
 
 import pytest
 
-from mawforge.cache.core import (CacheCore, RouteDriver, check_capacity, min_capacity,
-                                 plan_groups, unique_experts)
+from mawforge.cache.core import CacheCore, check_capacity, min_capacity, plan_groups, unique_experts
+from mawforge.cache.driver import RouteDriver
 from mawforge.cache.policies import make_policy, policy_names
 from mawforge.cache.prefetchers import make_prefetcher
 from mawforge.errors import BudgetRejected, RequestError

@@ -8,7 +8,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from mawforge.cache.core import CacheCore, RouteDriver
+from mawforge.cache.core import CacheCore
+from mawforge.cache.driver import RouteDriver
 from mawforge.cache.policies import make_policy
 from mawforge.engine.generate import generate
 from mawforge.engine.prefetch_auto import PrefetchGovernor

@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from mawforge.cache.core import CacheCore, RouteDriver
+from mawforge.cache.core import CacheCore
+from mawforge.cache.driver import RouteDriver
 from mawforge.cache.policies import make_policy
 from mawforge.cache.prefetchers import make_prefetcher
 from mawforge.errors import FormatError, RequestError

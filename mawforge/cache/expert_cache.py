@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from mawforge.cache.core import CacheCore, RouteDriver, check_capacity
+from mawforge.cache.core import CacheCore, check_capacity
+from mawforge.cache.driver import RouteDriver
 from mawforge.cache.observer import CacheObserver
 from mawforge.cache.policies import make_policy
 from mawforge.cache.prefetchers import make_prefetcher

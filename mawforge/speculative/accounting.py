@@ -19,7 +19,7 @@ import copy
 
 import numpy as np
 
-from mawforge.cache.core import RouteDriver
+from mawforge.cache.driver import RouteDriver
 from mawforge.cache.observer import CacheObserver
 from mawforge.engine.online import OnlineChooser
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from mawforge.cache.core import CacheCore, CacheStats, RouteDriver, min_capacity
+from mawforge.cache.core import CacheCore, CacheStats, min_capacity
+from mawforge.cache.driver import RouteDriver
 from mawforge.cache.policies import make_policy
 from mawforge.cache.prefetchers import make_prefetcher
 from mawforge.errors import RequestError
