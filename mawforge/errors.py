@@ -30,3 +30,8 @@ class BudgetRejected(MawError):
 
 class RequestError(MawError):
     """A request the engine cannot serve (empty prompt, over the context, bad parameter)."""
+
+
+class ContextLengthError(RequestError):
+    """A request whose tokens do not fit the context (OpenAI's `context_length_exceeded`)."""
+    code = "context_length_exceeded"

@@ -17,7 +17,7 @@ from mawforge.engine.prompt_reuse import prefill
 from mawforge.engine.runtime import Runtime
 from mawforge.engine.sampling import Sampler, SamplingParams
 from mawforge.text.tokenizer import Detokenizer
-from mawforge.errors import RequestError
+from mawforge.errors import ContextLengthError, RequestError
 from mawforge.telemetry import StallMeter, Telemetry, peak_rss_bytes, rss_bytes
 
 
@@ -93,7 +93,7 @@ def validate(rt: Runtime, prompt: list[int], params: SamplingParams) -> None:
     if not prompt:
         raise RequestError("the prompt is empty")
     if len(prompt) >= rt.opts.context:
-        raise RequestError(f"the prompt has {len(prompt)} tokens; the context is {rt.opts.context} "
+        raise ContextLengthError(f"the prompt has {len(prompt)} tokens; the context is {rt.opts.context} "
                            f"(at least one position must be left to generate)")
     vocab = rt.cfg.vocab
     for t in params.stop_token_ids:

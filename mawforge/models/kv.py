@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from mawforge.byte_rules import layer_state
-from mawforge.errors import RequestError, UnsupportedError
+from mawforge.errors import ContextLengthError, UnsupportedError
 
 
 # a chunk's replay: advance(state, m) runs the chunk's first m tokens on the layer's state tensors
@@ -78,7 +78,7 @@ class KVCache:
 
     def check_room(self, n: int) -> None:
         if self.pos + n > self.context:
-            raise RequestError(f"{self.pos + n} tokens exceed the context of {self.context}")
+            raise ContextLengthError(f"{self.pos + n} tokens exceed the context of {self.context}")
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [T, G, D] at the uncommitted positions; return the layer's [G, S, D] views."""

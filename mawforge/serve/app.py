@@ -154,7 +154,7 @@ class Api:
             for one in ids:
                 validate(self.rt, one, req.params)
         except RequestError as e:
-            code = "context_length_exceeded" if "context" in str(e) else None
+            code = getattr(e, "code", None)      # ContextLengthError: context_length_exceeded
             param = "logit_bias" if str(e).startswith("logit_bias") else "messages" if kind == "chat" else "prompt"
             raise P.ApiError(400, str(e), param=param, code=code) from None
         constraint = request_constraint(self.rt, req.response_format, turn)

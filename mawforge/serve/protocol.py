@@ -41,7 +41,7 @@ class ApiError(Exception):
         """SamplingParams/generate messages start with the field they are about: use it as param."""
         msg = str(e)
         first = msg.split(" ", 1)[0]
-        code = "context_length_exceeded" if "context" in msg else None
+        code = getattr(e, "code", None)          # ContextLengthError: context_length_exceeded
         return cls(400, msg, param=first if first in _SAMPLING_FIELDS else None, code=code)
 
 

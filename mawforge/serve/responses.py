@@ -175,7 +175,7 @@ class ResponsesApi:
             raise
         except RequestError as e:
             raise P.ApiError(400, str(e), param="input",
-                             code="context_length_exceeded" if "context" in str(e) else None) from None
+                             code=getattr(e, "code", None)) from None
         return Prepared(rr, req, ids, turn, chat, conversation, () if constraint is None else (constraint,))
 
     async def _admit(self, rid: str, request: Request) -> tuple[Prepared, Job]:
