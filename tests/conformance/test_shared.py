@@ -1,6 +1,7 @@
 """The shared conformance checks, each parametrized over the rows of cases.CASES: logits against
-transformers (F32), llama.cpp on the same GGUF (teacher-forced), cache transparency, planned bytes
-== allocated bytes, dense layers, and a missing tensor failing at load."""
+transformers (F32), llama.cpp on the same GGUF (teacher-forced), cache transparency, layer-major
+prefill against chunk by chunk, planned bytes == allocated bytes, dense layers, and a missing
+tensor failing at load."""
 from __future__ import annotations
 
 import shutil
@@ -91,6 +92,22 @@ def test_cache_is_transparent_at_its_minimum(sources, case, source):
     assert got == want and len(want) == 12
     assert small["evictions"] > 0 and full["evictions"] == 0
     assert greedy(pack_dir, prompt, 12, "100")[0] == want
+
+
+WAVE_SOURCES = [(c, s) for c in CASES for s in dict.fromkeys((c.transparent[0], c.plan_source))]
+
+
+@pytest.mark.parametrize("case,source", WAVE_SOURCES, ids=ids(WAVE_SOURCES))
+def test_layer_major_prefill_gives_the_bits_of_chunk_by_chunk(sources, case, source):
+    """A prompt run layer by layer (engine/runtime.py waves: attention 8 queries at a time, the
+    experts once over the whole wave) gives the logits of the same prompt run one chunk at a time
+    through every layer (a wave of one chunk), bit for bit, at a cache that evicts; in one wave
+    and in waves of two chunks alike (the KV and recurrent state carry across waves)."""
+    pack_dir = sources.pack(case, source)
+    want = logits(pack_dir, TOKENS, budget="min", prefill_chunk=8, prefill_wave=8)
+    for wave in (16, 2048):
+        got = logits(pack_dir, TOKENS, budget="min", prefill_chunk=8, prefill_wave=wave)
+        assert torch.equal(got, want), (wave, (got - want).abs().max().item())
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
