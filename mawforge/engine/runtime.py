@@ -118,14 +118,18 @@ class Runtime:
         input and prefetch what it would pick, in one plan sparing every layer from this one on."""
         if not self.cache.driver.enabled:
             return                  # a measuring window with prefetch off
-        keys = []
+        keys, widest = [], 0
         for nxt in range(layer + 1 if layer == 0 else layer + LOOKAHEAD, layer + LOOKAHEAD + 1):
             if nxt >= self.cfg.n_layers or nxt in self.cfg.args.dense_layers:
                 continue            # no such layer, or no router there
             idx, _ = self.model.route(nxt, x)                                  # [T, k]
             picked = sorted(set(idx[0].tolist())) if idx.shape[0] == 1 else torch.unique(idx).tolist()
             keys += [(nxt, e) for e in picked]
-        if keys:
+            widest = max(widest, sum(self.cache.block_bytes(nxt, e) for e in picked))
+        # a prefill wave routes to most of a layer's experts: where the cache cannot hold this
+        # layer's, the next one's and the looked-ahead one's at once, the prefetched blocks would
+        # take the room this layer's misses need and be evicted unused, read twice
+        if keys and (x.shape[0] == 1 or (LOOKAHEAD + 1) * widest <= self.cache.capacity):
             self.cache.lookahead(keys)
 
     def prefetch_report(self) -> dict:
