@@ -222,7 +222,7 @@ def test_route_trace_of_a_layer_major_prompt_replays_live_counts_exactly(tmp_pat
     step of its tokens in the trace, and replay reproduces the live counters exactly."""
     from helpers import dashboard_pack
     from mawforge.engine.generate import generate
-    from mawforge.engine.run import make_recorder
+    from mawforge.commands.run import make_recorder
     from mawforge.engine.runtime import Runtime, RuntimeOptions
     from mawforge.engine.sampling import SamplingParams
     root = tmp_path_factory.mktemp("wave-trace")
