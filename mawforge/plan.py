@@ -9,7 +9,8 @@ P  prompt-cache bytes: saved prompts' KV rows, recurrent checkpoints and last lo
 O  runtime overhead: the framework's own resident memory (measured in-process when the
    runtime plans; FRAMEWORK_BYTES, calibrated for torch 2.13 CPU + MawForge, for the
    static `mawforge plan`), the largest activation working set of a
-   prefill chunk (attention scores over the full context included), the logits row, the
+   prefill chunk (attention scores over the full context included) and of a prefill wave
+   (what spans all its tokens while it runs layer by layer), the logits row, the
    dequantization tiles of the kernels, the native kernels' scratch, and the Python objects
    of every block the cache may hold.
 A configuration is REJECTED when L exceeds the budget or when E is below one layer's top-k
@@ -40,6 +41,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # most this share of the room the expert cache would otherwise get
 PROMPT_CACHE_CONTEXTS = 2
 PROMPT_CACHE_ROOM_SHARE = 0.1
+PREFILL_WAVE = 2048               # RuntimeOptions.prefill_wave's default: tokens a prompt runs layer by layer
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class PackFacts:
     all_dense_f32: bool
     pack_digest: str
     kv_layers: tuple = ()              # config.args.kv_layers: per-layer KV or fixed recurrent state
+    dense_ff: int = 0                  # widest resident FFN (dense layers, shared experts), 0: none
 
     @property
     def expert_bytes(self) -> int:
@@ -85,11 +88,12 @@ class PackFacts:
         all_f32 = all(t.codec == "f32" for t in man.common) and all(
             t.codec == "f32" for lb in index.layers for t in lb.tensors)
         emb = man.common_record("token_embd.weight")
+        dense_ff = max((r.shape[-1] for r in man.common if ".ffn_down" in r.name and len(r.shape) == 2), default=0)
         return cls(c.arch, c.n_layers, c.n_experts, c.top_k, c.hidden, c.n_heads, c.n_kv_heads,
                    c.head_dim, c.vocab, c.expert_ff, int(man.byte_totals["common_file"]),
                    emb.nbytes if emb else 0, dense,
                    tuple(round_page(lb.block_nbytes) for lb in index.layers), all_f32, man.pack_digest,
-                   tuple(c.args.kv_layers))
+                   tuple(c.args.kv_layers), dense_ff)
 
 
 def kv_dtype_for(f: PackFacts, kv_dtype: str | None) -> str:
@@ -140,20 +144,37 @@ def native_scratch_bytes(f: PackFacts, t: int) -> int:
     """The native kernels' scratch for a chunk of t tokens (kept by the calling thread): a
     matmul's quantized x, or a layer's fused experts: x quantized (twice at most), h and its
     quantized copy for each of the t * top_k (expert, token) pairs."""
-    widest = max(f.hidden, f.n_heads * f.head_dim, f.expert_ff)
+    widest = max(f.hidden, f.n_heads * f.head_dim, f.expert_ff, f.dense_ff)
     pairs = t * f.top_k
     moe = 2 * t * _q8_row_bytes(f.hidden) + pairs * (4 * f.expert_ff + _q8_row_bytes(f.expert_ff))
     return max(t * _q8_row_bytes(widest), moe)
 
 
-def overhead_bytes(f: PackFacts, context: int, prefill_chunk: int, framework: int | None = None) -> int:
+def wave_tokens(context: int, prefill_chunk: int, prefill_wave: int) -> int:
+    """Tokens of the longest prefill wave (engine/runtime.py forward): whole chunks, at most the context."""
     t = min(prefill_chunk, context)
+    return max(t, min(prefill_wave // prefill_chunk * prefill_chunk, context))
+
+
+def wave_bytes(f: PackFacts, w: int) -> int:
+    """Activations that span a whole wave of w tokens while it goes layer by layer: the residual
+    stream and its copies (the mixer's output, the FFN input, the experts' sum, the next layer's
+    stream: 6 rows of hidden floats), one expert's or a dense FFN's SwiGLU on as many as all w
+    tokens (3 rows of its width) and the MoE block's routing masks (models/moe.py: [experts, w,
+    top_k] bool and float)."""
+    return w * (4 * (6 * f.hidden + 3 * max(f.expert_ff, f.dense_ff)) + 5 * f.n_experts * f.top_k)
+
+
+def overhead_bytes(f: PackFacts, context: int, prefill_chunk: int, framework: int | None = None,
+                   prefill_wave: int = PREFILL_WAVE) -> int:
+    t = min(prefill_chunk, context)
+    w = wave_tokens(context, prefill_chunk, prefill_wave)
     scores = 2 * f.n_heads * t * context * 4                    # scores + probs, float32
-    acts = t * 4 * (6 * f.hidden + 3 * f.n_heads * f.head_dim + 3 * f.expert_ff * f.top_k)
+    acts = t * 4 * (6 * f.hidden + 3 * f.n_heads * f.head_dim + 3 * f.expert_ff * f.top_k)   # one chunk's
     logits = 2 * f.vocab * 4
     slots = len(f.slot_bytes) * f.n_experts * SLOT_OBJECT_BYTES
-    return ((FRAMEWORK_BYTES if framework is None else framework) + scores + acts + logits + DEQUANT_TILE_BYTES
-            + native_scratch_bytes(f, t) + slots)
+    return ((FRAMEWORK_BYTES if framework is None else framework) + scores + acts + wave_bytes(f, w) + logits
+            + DEQUANT_TILE_BYTES + native_scratch_bytes(f, w) + slots)
 
 
 @dataclass(frozen=True)
@@ -202,7 +223,8 @@ def make_plan(f: PackFacts, *, memory_budget_gib: float | None = None, context: 
               expert_cache_percent: float | None = None, expert_cache_gib: float | None = None,
               stream_embeddings: bool = False, kv_dtype: str | None = None, prefill_chunk: int = 128,
               budget_source: str = "--memory-budget-gib", framework_bytes: int | None = None,
-              extra_overhead_bytes: int = 0, prompt_cache_gib: float | None = 0.0) -> Plan:
+              extra_overhead_bytes: int = 0, prompt_cache_gib: float | None = 0.0,
+              prefill_wave: int = PREFILL_WAVE) -> Plan:
     """extra_overhead_bytes: memory the caller's own features hold beside the runtime (the
     serve dashboard's kept route traces), counted in O. prompt_cache_gib: P in GiB (0: off),
     None: the auto rule (prompt_cache_bytes; under a budget at most PROMPT_CACHE_ROOM_SHARE of
@@ -217,7 +239,7 @@ def make_plan(f: PackFacts, *, memory_budget_gib: float | None = None, context: 
         raise FormatError(f"--prompt-cache-gib must be 0 (off) or positive, got {prompt_cache_gib}")
     kvd = kv_dtype_for(f, kv_dtype)
     C = f.common_file_bytes - (f.embedding_bytes if stream_embeddings else 0) + f.dense_copy_bytes
-    K, O = kv_bytes(f, context, kvd), overhead_bytes(f, context, prefill_chunk, framework_bytes) + extra_overhead_bytes
+    K, O = kv_bytes(f, context, kvd), overhead_bytes(f, context, prefill_chunk, framework_bytes, prefill_wave) + extra_overhead_bytes
     budget = int(memory_budget_gib * GiB) if memory_budget_gib is not None else None
     total = f.expert_bytes
     if expert_cache_gib is not None:
@@ -331,7 +353,8 @@ def make_pair_plan(f: PackFacts, draft: PackFacts, *, memory_budget_gib: float |
     percent, the same KV dtype option, no budget of its own); the target then plans against the
     budget less the draft's L, so a cache sized from the budget leaves room for the draft."""
     dp = make_plan(draft, context=kw.get("context", 4096), expert_cache_percent=draft_cache_percent,
-                   kv_dtype=kw.get("kv_dtype"), prefill_chunk=kw.get("prefill_chunk", 128))
+                   kv_dtype=kw.get("kv_dtype"), prefill_chunk=kw.get("prefill_chunk", 128),
+                   prefill_wave=kw.get("prefill_wave", PREFILL_WAVE))
     share = None if memory_budget_gib is None else memory_budget_gib - dp.L / GiB
     tp = make_plan(f, memory_budget_gib=share, budget_source="--memory-budget-gib less the draft's L", **kw)
     budget = None if memory_budget_gib is None else int(memory_budget_gib * GiB)
@@ -345,7 +368,9 @@ def pair_plan_from_args(a: argparse.Namespace) -> PairPlan:
                           draft_pack=str(a.draft_pack), context=a.context,
                           expert_cache_percent=a.expert_cache_percent, expert_cache_gib=a.expert_cache_gib,
                           stream_embeddings=a.stream_embeddings, kv_dtype=a.kv_dtype,
-                          prefill_chunk=getattr(a, "prefill_chunk", 128), prompt_cache_gib=getattr(a, "prompt_cache_gib", 0.0))
+                          prefill_chunk=getattr(a, "prefill_chunk", 128),
+                          prompt_cache_gib=getattr(a, "prompt_cache_gib", 0.0),
+                          prefill_wave=getattr(a, "prefill_wave", PREFILL_WAVE))
 
 
 help = "say before loading whether a configuration fits a memory budget"

@@ -215,3 +215,32 @@ def test_replay_cli_end_to_end(tmp_path, capsys):
     assert "SYNTHETIC" in report and "## Regret vs belady-pinned" in report
     for png in ("hit_rate.png", "regret.png", "reuse_distance.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_route_trace_of_a_layer_major_prompt_replays_live_counts_exactly(tmp_path_factory):
+    """A prompt of six chunks run in waves (two chunks each, layer by layer, auto prefetch's router
+    lookahead over all of a wave's tokens) inside a cache that evicts: each wave is one prefill
+    step of its tokens in the trace, and replay reproduces the live counters exactly."""
+    from helpers import dashboard_pack
+    from mawforge.engine.generate import generate
+    from mawforge.commands.run import make_recorder
+    from mawforge.engine.runtime import Runtime, RuntimeOptions
+    from mawforge.engine.sampling import SamplingParams
+    root = tmp_path_factory.mktemp("wave-trace")
+    pack, path = dashboard_pack(root), root / "trace.npz"
+    recorder = make_recorder(argparse.Namespace(trace_out=str(path), pack=pack))
+    rt = Runtime(pack, RuntimeOptions(context=256, prefill_chunk=16, prefill_wave=32, expert_cache_percent=30,
+                                      threads=1), recorder)
+    try:
+        prompt = [3 + (i * 37) % 1900 for i in range(96)]
+        list(generate(rt, prompt, SamplingParams(max_tokens=8, ignore_eos=True)))
+        recorder.set_live(rt.plan.E, rt.opts.policy, rt.prefetch_spec, rt.cache.core.stats())
+        recorder.save(path)
+    finally:
+        rt.close()
+    trace = load_trace(path)
+    steps = [(s.kind, s.n_tokens) for s in trace.steps()]
+    assert steps == [("prefill", 32)] * 3 + [("decode", 1)] * 7
+    assert trace.has_live_prefetch and len(trace.la_step) > 0       # lookahead ran inside the waves
+    check = live_check(trace)
+    assert check["match"], check

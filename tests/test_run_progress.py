@@ -61,6 +61,6 @@ def test_a_terminal_sees_tokens_done_and_bytes_read(pack_dir):
     n = prompt_tokens(text)
     assert "prefill" in text
     done = [int(d) for d in re.findall(rf"(\d+)/{n} ", text)]
-    assert done and max(done) == n and len(set(done)) >= 3     # tokens done, chunk by chunk
+    assert done and max(done) == n and len(set(done)) >= 3     # tokens done, layer by layer through the wave
     read = [float(x) for x in re.findall(r"read ([0-9.]+) MiB", text)]
     assert read and max(read) > 0                               # and the expert bytes read so far

@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from mawforge.plan import add_budget_arguments
+from mawforge.plan import PREFILL_WAVE, add_budget_arguments
 
 help = "generate once from a pack under a memory budget, with telemetry"
 
@@ -26,7 +26,9 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-thread-governor", action="store_true",
                    help="keep every decode step at --threads (default: the kernels' thread count follows "
                         "measured speed, fewer when another program takes a core)")
-    p.add_argument("--prefill-chunk", type=int, default=128)
+    p.add_argument("--prefill-chunk", type=int, default=128, help="tokens one attention call takes")
+    p.add_argument("--prefill-wave", type=int, default=PREFILL_WAVE,
+                   help="tokens a prompt runs layer by layer: each layer's experts are read once a wave")
     p.add_argument("--no-direct-io", action="store_true", help="buffered reads instead of O_DIRECT")
     p.add_argument("--trace-out", default=None, help="write the route trace (.npz) here")
 
@@ -38,6 +40,7 @@ def runtime_options(a: argparse.Namespace, reserved_bytes: int = 0):
                           policy=a.policy, prefetch=a.prefetch, device=a.device,
                           stream_embeddings=a.stream_embeddings, kv_dtype=a.kv_dtype,
                           direct_io=not a.no_direct_io, prefill_chunk=a.prefill_chunk, threads=a.threads,
+                          prefill_wave=getattr(a, "prefill_wave", PREFILL_WAVE),
                           lookahead=a.lookahead, thread_governor=not a.no_thread_governor,
                           prompt_cache_gib=getattr(a, "prompt_cache_gib", 0.0))
 

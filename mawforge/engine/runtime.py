@@ -22,7 +22,7 @@ from mawforge.errors import BudgetRejected, FormatError, RequestError
 from mawforge.kernels import native
 from mawforge.models import model_class
 from mawforge.pack.manifest import read_index, read_manifest
-from mawforge.plan import GiB, PackFacts, framework_in_process, make_plan
+from mawforge.plan import PREFILL_WAVE, GiB, PackFacts, framework_in_process, make_plan
 
 
 # Router lookahead (on under --prefetch auto): before layer l's experts, layer l+LOOKAHEAD's
@@ -53,7 +53,8 @@ class RuntimeOptions:
     direct_io: bool = True
     check_digests: bool = True
     io_threads: int = 4
-    prefill_chunk: int = 128
+    prefill_chunk: int = 128           # tokens one attention (or delta-net) call takes
+    prefill_wave: int = PREFILL_WAVE   # tokens a prompt runs layer by layer (rounded down to whole chunks)
     threads: int | None = None
     thread_governor: bool = True       # decode steps choose the kernels' thread count by measured speed
     lookahead: bool = False            # router lookahead prefetch, LOOKAHEAD layers ahead (on in "auto")
@@ -64,6 +65,8 @@ class RuntimeOptions:
     def __post_init__(self) -> None:
         if self.prefill_chunk < 1:
             raise FormatError(f"prefill chunk must be positive, got {self.prefill_chunk}")
+        if self.prefill_wave < 1:
+            raise FormatError(f"prefill wave must be positive, got {self.prefill_wave}")
 
 
 class Runtime:
@@ -84,7 +87,7 @@ class Runtime:
         self.plan = make_plan(self.facts, memory_budget_gib=budget, context=opts.context,
                               expert_cache_percent=opts.expert_cache_percent,
                               expert_cache_gib=opts.expert_cache_gib, stream_embeddings=opts.stream_embeddings,
-                              kv_dtype=opts.kv_dtype, prefill_chunk=opts.prefill_chunk,
+                              kv_dtype=opts.kv_dtype, prefill_chunk=opts.prefill_chunk, prefill_wave=opts.prefill_wave,
                               framework_bytes=framework_in_process(), budget_source=source,
                               extra_overhead_bytes=opts.extra_overhead_bytes,
                               prompt_cache_gib=opts.prompt_cache_gib)
@@ -111,8 +114,9 @@ class Runtime:
         self.lookahead = opts.lookahead or auto
         if self.lookahead:
             self.model.router_hook = self._lookahead
-        # called (tokens done, tokens in all) after each chunk of a run longer than one chunk:
-        # `mawforge run` draws prefill progress with it on a terminal
+        # called (tokens done, tokens in all) after each layer of a run longer than one chunk
+        # (tokens done: the wave's share of its layers done, in tokens): `mawforge run` draws
+        # prefill progress with it on a terminal
         self.on_chunk = None
         threads = torch.get_num_threads()
         self.governor = (ThreadGovernor(threads) if opts.thread_governor and threads > 1
@@ -123,14 +127,18 @@ class Runtime:
         input and prefetch what it would pick, in one plan sparing every layer from this one on."""
         if not self.cache.driver.enabled:
             return                  # a measuring window with prefetch off
-        keys = []
+        keys, widest = [], 0
         for nxt in range(layer + 1 if layer == 0 else layer + LOOKAHEAD, layer + LOOKAHEAD + 1):
             if nxt >= self.cfg.n_layers or nxt in self.cfg.args.dense_layers:
                 continue            # no such layer, or no router there
             idx, _ = self.model.route(nxt, x)                                  # [T, k]
             picked = sorted(set(idx[0].tolist())) if idx.shape[0] == 1 else torch.unique(idx).tolist()
             keys += [(nxt, e) for e in picked]
-        if keys:
+            widest = max(widest, sum(self.cache.block_bytes(nxt, e) for e in picked))
+        # a prefill wave routes to most of a layer's experts: where the cache cannot hold this
+        # layer's, the next one's and the looked-ahead one's at once, the prefetched blocks would
+        # take the room this layer's misses need and be evicted unused, read twice
+        if keys and (x.shape[0] == 1 or (LOOKAHEAD + 1) * widest <= self.cache.capacity):
             self.cache.lookahead(keys)
 
     def prefetch_report(self) -> dict:
@@ -154,7 +162,12 @@ class Runtime:
             self.prefetch_governor.new_request()
 
     def forward(self, tokens: list[int], all_logits: bool = False, kind: str | None = None) -> torch.Tensor:
-        """Run tokens at the next positions, in chunks; logits of the last token ([1, V]) or all ([T, V])."""
+        """Run tokens at the next positions; logits of the last token ([1, V]) or all ([T, V]).
+
+        A prompt runs in waves of up to `prefill_wave` tokens, each one cache step that goes
+        layer by layer (models/base.py hidden: attention over `prefill_chunk` queries at a time,
+        the experts over the whole wave), so inside a memory limit each layer's routed blocks
+        are read once per wave rather than once per chunk."""
         if not tokens:
             raise RequestError("nothing to run: empty token list")
         self.kv.check_room(len(tokens))
@@ -163,6 +176,7 @@ class Runtime:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary of {self.cfg.vocab}")
         outs = []
         step = self.opts.prefill_chunk
+        wave = max(step, self.opts.prefill_wave // step * step)    # whole chunks: the same query chunks
         one = kind == "decode" and len(tokens) == 1
         gov = self.governor if one else None
         pgov = self.prefetch_governor if one else None
@@ -182,16 +196,15 @@ class Runtime:
         elif self.governor is not None:
             self.governor.release()
         with torch.inference_mode():
-            for i in range(0, len(tokens), step):
-                chunk = tokens[i:i + step]
-                self.cache.begin_step(kind or ("prefill" if len(chunk) > 1 else "decode"), len(chunk))
-                t = torch.tensor(chunk, dtype=torch.long, device=self.device)
-                logits = self.model.forward(t, self.kv.pos, self.kv, all_logits=all_logits)
-                self.kv.commit(len(chunk))
+            for i in range(0, len(tokens), wave):
+                part = tokens[i:i + wave]
+                self.cache.begin_step(kind or ("prefill" if len(part) > 1 else "decode"), len(part))
+                t = torch.tensor(part, dtype=torch.long, device=self.device)
+                logits = self.model.forward(t, self.kv.pos, self.kv, all_logits=all_logits, chunk=step,
+                                            on_layer=self._progress(i, len(part), len(tokens), step))
+                self.kv.commit(len(part))
                 self.cache.end_step()
                 outs.append(logits)
-                if self.on_chunk is not None and len(tokens) > step:
-                    self.on_chunk(i + len(chunk), len(tokens))
         if gov is not None:
             gov.after_step(threads, len(tokens),
                            time.perf_counter() - t0 - (self.cache.read_wait_seconds() - waited))
@@ -199,6 +212,14 @@ class Runtime:
             pgov.after_step(self.cache.driver.enabled, len(tokens), time.perf_counter() - t_start,
                             self.store.bytes_read - read0)
         return torch.cat(outs) if all_logits else outs[-1]
+
+    def _progress(self, start: int, n: int, total: int, step: int):
+        """on_layer for a wave of n tokens from `start`: reports tokens done as the wave's
+        share of its layers done (None where nobody listens or the run is one chunk)."""
+        if self.on_chunk is None or total <= step:
+            return None
+        layers = self.cfg.n_layers
+        return lambda layer: self.on_chunk(start + n * (layer + 1) // layers, total)
 
     def close(self) -> None:
         if self.governor is not None:

@@ -281,17 +281,26 @@ class MoETransformer:
         return y if extra is None else y + extra
 
     # ---- the loop ----------------------------------------------------------------------
-    def forward(self, tokens: torch.Tensor, pos0: int, kv, all_logits: bool = False) -> torch.Tensor:
-        """tokens [T] -> logits [T, V] (or [1, V] for the last position)."""
+    def forward(self, tokens: torch.Tensor, pos0: int, kv, all_logits: bool = False,
+                chunk: int | None = None, on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """tokens [T] -> logits [T, V] (or [1, V] for the last position). chunk, on_layer: hidden()'s."""
         keep = self.keeps_hidden()
-        h = self.hidden(tokens, pos0, kv, last_only=not (all_logits or keep))
+        h = self.hidden(tokens, pos0, kv, last_only=not (all_logits or keep), chunk=chunk, on_layer=on_layer)
         if keep:
             self.keep_hidden(pos0, h)
         return self.logits(h if all_logits else h[-1:])
 
-    def hidden(self, tokens: torch.Tensor, pos0: int, kv, last_only: bool = False) -> torch.Tensor:
+    def hidden(self, tokens: torch.Tensor, pos0: int, kv, last_only: bool = False, chunk: int | None = None,
+               on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """tokens [T] -> final-normed hidden states [T, C] (the LM head's and an MTP layer's
-        input), or only the last row's [1, C]."""
+        input), or only the last row's [1, C].
+
+        Layer-major (a prefill wave): every token goes through a layer before the next layer
+        starts. The mixer runs over `chunk` tokens at a time in order (attention's scores stay
+        [chunk, S]; a delta-net's recurrence runs as chunk by chunk), the rest of the layer over
+        all T at once, so the MoE block asks the cache for each routed block once per layer and
+        computes each expert on every token routed to it (expert-major). on_layer(layer) is
+        called after each layer (prefill progress)."""
         pos = torch.arange(pos0, pos0 + tokens.shape[0], device=self.device)
         h = self.embed(tokens)                                                    # [T, C]
         step = self.decode_attention.layer_step(h, pos0, kv) if self.decode_attention is not None else None
@@ -301,14 +310,29 @@ class MoETransformer:
             if step is not None:            # one token: everything up to the experts in one call
                 x, routed = step(layer, h)
             else:
-                a = self.mixer(layer, self.norm(h, f"blk.{layer}.attn_norm.weight"), pos, kv)
-                h = h + self.mixer_out(layer, a)
+                h = h + self.mix(layer, h, pos, kv, chunk)
                 x, routed = self.ffn_input(layer, h), None
             if self.router_hook is not None:
                 self.router_hook(layer, x)
             y = self.ffn(layer, x) if routed is None else self.ffn(layer, x, routed)   # routed: the shared ffn only
             h = self.layer_out(layer, h + y)
+            if on_layer is not None:
+                on_layer(layer)
         return self.norm(h[-1:] if last_only else h, "output_norm.weight")
+
+    def mix(self, layer: int, h: torch.Tensor, pos: torch.Tensor, kv, chunk: int | None = None) -> torch.Tensor:
+        """mixer_out(mixer(attn_norm(h))) [T, C], over `chunk` rows at a time where T is longer:
+        chunk c writes its KV (or advances the recurrent state) after the chunks before it and
+        attends to them, the same operations on the same rows as one forward per chunk."""
+        T, name = h.shape[0], f"blk.{layer}.attn_norm.weight"
+        if chunk is None or T <= chunk:
+            return self.mixer_out(layer, self.mixer(layer, self.norm(h, name), pos, kv))
+        parts = []
+        for a in range(0, T, chunk):
+            b = min(a + chunk, T)
+            with kv.ahead(a):
+                parts.append(self.mixer_out(layer, self.mixer(layer, self.norm(h[a:b], name), pos[a:b], kv)))
+        return torch.cat(parts)
 
 
 def bind_layers(cfg: ModelConfig, weights) -> list[dict]:

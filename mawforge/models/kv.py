@@ -13,6 +13,7 @@ same order as the forward ran them, so the state is bit-identical to the one it 
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -102,6 +103,17 @@ class KVCache:
 
     def commit(self, n: int) -> None:
         self.pos += n
+
+    @contextmanager
+    def ahead(self, n: int):
+        """Inside the block, appends write n positions past the committed ones: a layer-major
+        prefill runs a layer's chunks in order before committing them all (models/base.py mix)."""
+        pos = self.pos
+        self.pos = pos + n
+        try:
+            yield
+        finally:
+            self.pos = pos
 
     # ---- rollback of recurrent state ----------------------------------------------------
     def mark(self) -> None:

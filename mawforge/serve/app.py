@@ -362,8 +362,8 @@ def main(a: argparse.Namespace) -> int:
         plan = make_plan(PackFacts.from_pack(a.pack), memory_budget_gib=opts.memory_budget_gib, context=opts.context,
                          expert_cache_percent=opts.expert_cache_percent, expert_cache_gib=opts.expert_cache_gib,
                          stream_embeddings=opts.stream_embeddings, kv_dtype=opts.kv_dtype,
-                         prefill_chunk=opts.prefill_chunk, extra_overhead_bytes=opts.extra_overhead_bytes,
-                         prompt_cache_gib=opts.prompt_cache_gib)
+                         prefill_chunk=opts.prefill_chunk, prefill_wave=opts.prefill_wave,
+                         extra_overhead_bytes=opts.extra_overhead_bytes, prompt_cache_gib=opts.prompt_cache_gib)
     if not plan.feasible:
         print(plan.table(), file=sys.stderr)
         print(f"mawforge serve: refusing to start: plan rejected: {plan.reason}", file=sys.stderr)

@@ -23,8 +23,8 @@ def mtp_rt(pack_dir, budget="100", context: int = 96, **kw) -> api.Runtime:
     return open_rt(pack_dir, budget, context, **kw)
 
 
-def logits(pack_dir, tokens, budget="40", context: int = 96, prefill_chunk: int = 16) -> torch.Tensor:
-    rt = open_rt(pack_dir, budget, context=context, prefill_chunk=prefill_chunk)
+def logits(pack_dir, tokens, budget="40", context: int = 96, prefill_chunk: int = 16, **kw) -> torch.Tensor:
+    rt = open_rt(pack_dir, budget, context=context, prefill_chunk=prefill_chunk, **kw)
     try:
         return rt.forward(list(tokens), all_logits=True)
     finally:

@@ -1,6 +1,7 @@
 """The shared conformance checks, each parametrized over the rows of cases.CASES: logits against
-transformers (F32), llama.cpp on the same GGUF (teacher-forced), cache transparency, planned bytes
-== allocated bytes, dense layers, and a missing tensor failing at load."""
+transformers (F32), llama.cpp on the same GGUF (teacher-forced), cache transparency, layer-major
+prefill against chunk by chunk, planned bytes == allocated bytes, dense layers, and a missing
+tensor failing at load."""
 from __future__ import annotations
 
 import shutil
@@ -9,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+
+from bounds import DEQUANT_FLOOR, F32_MODEL_ATOL
 
 from . import api
 from .cases import CASES, TOKENS, ids, pairs, rows
@@ -91,6 +94,40 @@ def test_cache_is_transparent_at_its_minimum(sources, case, source):
     assert got == want and len(want) == 12
     assert small["evictions"] > 0 and full["evictions"] == 0
     assert greedy(pack_dir, prompt, 12, "100")[0] == want
+
+
+WAVE_SOURCES = [(c, c.transparent[0]) for c in CASES]     # a GGUF quant pack where the row has one
+
+
+@pytest.mark.parametrize("case,source", WAVE_SOURCES, ids=ids(WAVE_SOURCES))
+def test_layer_major_prefill_gives_the_logits_of_chunk_by_chunk(sources, case, source):
+    """A prompt run layer by layer (engine/runtime.py waves: attention 8 queries at a time, the
+    experts once over the whole wave) against the same prompt run one chunk at a time through
+    every layer (a wave of one chunk), at a cache that evicts, in one wave and in waves of two
+    chunks (the KV and recurrent state carry across waves). Every GEMM whose row count changes
+    (an expert's tokens, the router's, a shared expert's) gives each row the same bits whatever
+    the count on the native integer kernels, so a pack of their types whose FFN has no float32
+    GEMM (qwen2_moe's shared-expert gate is one) gives the same bits. torch's float32 GEMMs
+    block by the row count: within F32_MODEL_ATOL (measured 1.1e-6 .. 1.4e-6, as today's
+    prefill across --prefill-chunk sizes). Expert types the native kernels do not take (MXFP4)
+    multiply in bf16 once an expert has more than GGML_FP32_MAX_M = 16 tokens (kernels/cpu.py),
+    as in any chunk of more than 16 today: within DEQUANT_FLOOR (the bound for bf16-rounded
+    activations; measured 2.4e-3)."""
+    pack_dir = sources.pack(case, source)
+    common = {r.name for r in api.read_manifest(pack_dir).common}
+    qtypes = {t.qtype for lb in api.read_index(pack_dir).layers for t in lb.tensors}
+    floats = qtypes <= {"F32", "F16", "BF16"}
+    native = qtypes <= {"Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+    exact = native and not any("ffn_gate_inp_shexp" in n for n in common)
+    atol = F32_MODEL_ATOL if floats or native else DEQUANT_FLOOR
+    want = logits(pack_dir, TOKENS, budget="min", prefill_chunk=8, prefill_wave=8)
+    for wave in (16, 2048):
+        got = logits(pack_dir, TOKENS, budget="min", prefill_chunk=8, prefill_wave=wave)
+        print(f"{case.arch} {source} wave {wave}: max |diff| {(got - want).abs().max().item():.1e}")
+        if exact:
+            assert torch.equal(got, want), (wave, (got - want).abs().max().item())
+        torch.testing.assert_close(got, want, rtol=0, atol=atol)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
