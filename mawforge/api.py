@@ -26,7 +26,7 @@ from mawforge.engine.generate import Event, generate
 from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.engine.sampling import SamplingParams
 from mawforge.errors import FormatError, MawError, RequestError
-from mawforge.plan import Plan, PackFacts, make_plan
+from mawforge.plan import PREFILL_WAVE, Plan, PackFacts, make_plan
 from mawforge.telemetry import Telemetry
 
 __all__ = ["load", "plan_for", "open_pack", "Model", "Completion", "ChatReply", "ModelClosed", "Busy"]
@@ -78,12 +78,14 @@ def open_pack(path: str | os.PathLike, cache_dir: str | os.PathLike | None = Non
 
 
 def plan_for(path: str | os.PathLike, *, memory_budget_gib: float | None = None, context: int = 4096,
-         expert_cache_percent: float | None = None, expert_cache_gib: float | None = None,
-         kv_dtype: str | None = None, prefill_chunk: int = 128) -> Plan:
+             expert_cache_percent: float | None = None, expert_cache_gib: float | None = None,
+             kv_dtype: str | None = None, prefill_chunk: int = 128, prefill_wave: int = PREFILL_WAVE,
+             prompt_cache_gib: float | None = None) -> Plan:
     """The static plan of a pack under a budget, without loading it (`mawforge plan`)."""
     return make_plan(PackFacts.from_pack(path), memory_budget_gib=memory_budget_gib, context=context,
                      expert_cache_percent=expert_cache_percent, expert_cache_gib=expert_cache_gib,
-                     kv_dtype=kv_dtype, prefill_chunk=prefill_chunk)
+                     kv_dtype=kv_dtype, prefill_chunk=prefill_chunk, prefill_wave=prefill_wave,
+                     prompt_cache_gib=prompt_cache_gib)
 
 
 @dataclass(frozen=True)
@@ -305,16 +307,20 @@ class Model:
 def load(path: str | os.PathLike, *, memory_budget_gib: float | None = None, context: int = 4096,
          expert_cache_percent: float | None = None, expert_cache_gib: float | None = None,
          policy: str = "s3fifo", prefetch: str = "auto", threads: int | None = None,
-         kv_dtype: str | None = None, prefill_chunk: int = 128, speculative: str | None = None,
+         kv_dtype: str | None = None, prefill_chunk: int = 128, prefill_wave: int = PREFILL_WAVE,
+         prompt_cache_gib: float | None = None, speculative: str | None = None,
          chat_template: str | None = None, cache_dir: str | os.PathLike | None = None,
          layout: str = "exact", device: str = "cpu", progress: bool = False) -> Model:
     """Load a pack (or a GGUF file / HF directory, packed on first use) under a memory budget.
-    The plan is made once; a configuration it rejects raises BudgetRejected with its reason."""
+    The plan is made once; a configuration it rejects raises BudgetRejected with its reason.
+    `prompt_cache_gib`: saved prompts reused by later calls that share a prefix (None: the
+    planner's auto size, 0: off)."""
     pack = open_pack(path, cache_dir, layout, progress)
     opts = RuntimeOptions(context=context, memory_budget_gib=memory_budget_gib,
                           expert_cache_percent=expert_cache_percent, expert_cache_gib=expert_cache_gib,
                           policy=policy, prefetch=prefetch, threads=threads, kv_dtype=kv_dtype,
-                          prefill_chunk=prefill_chunk, device=device)
+                          prefill_chunk=prefill_chunk, prefill_wave=prefill_wave,
+                          prompt_cache_gib=prompt_cache_gib, device=device)
     rt = Runtime(pack, opts)
     try:
         spec = None
@@ -331,4 +337,4 @@ def describe(model: Model) -> str:
     """One JSON line of what was loaded (pack, plan terms), for logs."""
     p = model.plan
     return json.dumps({"pack_digest": model.pack_digest, "arch": model.config.arch, "C": p.C, "E": p.E,
-                       "K": p.K, "O": p.O, "F": p.F, "budget_bytes": p.budget_bytes})
+                       "K": p.K, "P": p.P, "O": p.O, "F": p.F, "budget_bytes": p.budget_bytes})

@@ -70,6 +70,7 @@ def test_token_ids_in_and_complete(model):
     a = model.complete(ids, max_tokens=8, ignore_eos=True)
     b = model.complete(PROMPT, max_tokens=8, ignore_eos=True)
     assert a.tokens == b.tokens and a.text == b.text and len(a.tokens) == 8
+    assert b.telemetry.cached_tokens == len(ids)          # the prompt cache is on by default
     assert a.finish_reason == "length" and a.telemetry.prompt_tokens == len(ids)
     s1 = model.complete(PROMPT, max_tokens=8, temperature=0.9, seed=7)
     s2 = model.complete(PROMPT, max_tokens=8, temperature=0.9, seed=7)
@@ -168,7 +169,7 @@ def test_one_stream_at_a_time(model):
 def test_plan_without_loading_and_rejection(model, cache_dir):
     pack = model.runtime.pack
     p = mawforge.plan_for(pack, memory_budget_gib=1, context=512, expert_cache_percent=50)
-    assert p.feasible and p.F == p.C + p.E + p.K + p.O
+    assert p.feasible and p.F == p.C + p.E + p.K + p.P + p.O and p.P > 0       # the auto prompt cache
     assert model.plan.E == p.E and model.plan.C == p.C
     with pytest.raises(BudgetRejected, match="plan rejected"):
         mawforge.load(pack, memory_budget_gib=0.01, context=512)
