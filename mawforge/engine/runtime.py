@@ -113,7 +113,7 @@ class Runtime:
         self.prompt_cache = PromptCache(self, store) if store is not None else None
         self.lookahead = opts.lookahead or auto
         if self.lookahead:
-            self.model.router_hook = self._lookahead
+            self.model.experts.ahead = LOOKAHEAD
         # called (tokens done, tokens in all) after each layer of a run longer than one chunk
         # (tokens done: the wave's share of its layers done, in tokens): `mawforge run` draws
         # prefill progress with it on a terminal
@@ -121,25 +121,6 @@ class Runtime:
         threads = torch.get_num_threads()
         self.governor = (ThreadGovernor(threads) if opts.thread_governor and threads > 1
                          and self.device.type == "cpu" and native.available() else None)
-
-    def _lookahead(self, layer: int, x: torch.Tensor) -> None:
-        """Apply layer+LOOKAHEAD's router (at layer 0 also the nearer ones') to this layer's FFN
-        input and prefetch what it would pick, in one plan sparing every layer from this one on."""
-        if not self.cache.driver.enabled:
-            return                  # a measuring window with prefetch off
-        keys, widest = [], 0
-        for nxt in range(layer + 1 if layer == 0 else layer + LOOKAHEAD, layer + LOOKAHEAD + 1):
-            if nxt >= self.cfg.n_layers or nxt in self.cfg.args.dense_layers:
-                continue            # no such layer, or no router there
-            idx, _ = self.model.route(nxt, x)                                  # [T, k]
-            picked = sorted(set(idx[0].tolist())) if idx.shape[0] == 1 else torch.unique(idx).tolist()
-            keys += [(nxt, e) for e in picked]
-            widest = max(widest, sum(self.cache.block_bytes(nxt, e) for e in picked))
-        # a prefill wave routes to most of a layer's experts: where the cache cannot hold this
-        # layer's, the next one's and the looked-ahead one's at once, the prefetched blocks would
-        # take the room this layer's misses need and be evicted unused, read twice
-        if keys and (x.shape[0] == 1 or (LOOKAHEAD + 1) * widest <= self.cache.capacity):
-            self.cache.lookahead(keys)
 
     def prefetch_report(self) -> dict:
         """The request telemetry's `prefetch` field."""

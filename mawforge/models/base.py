@@ -184,7 +184,6 @@ class MoETransformer:
         self.experts = MoEBlock(experts, lambda: self.expert_fn)
         self.rope = Rope(cfg.head_dim, cfg.rope_base, cfg.rope_layout, device)
         self.scale = cfg.head_dim ** -0.5
-        self.router_hook = None    # set by the runtime for next-layer lookahead prefetch
         self.layers = bind_layers(cfg, weights)
         # the one-token attention step in one native call, where it gives the same bits (fastpath.py)
         self.decode_attention = DecodeAttention.plan(self)
@@ -312,8 +311,7 @@ class MoETransformer:
             else:
                 h = h + self.mix(layer, h, pos, kv, chunk)
                 x, routed = self.ffn_input(layer, h), None
-            if self.router_hook is not None:
-                self.router_hook(layer, x)
+            self.experts.lookahead(layer, x, self.route, self.cfg.n_layers, self.cfg.args.dense_layers)
             y = self.ffn(layer, x) if routed is None else self.ffn(layer, x, routed)   # routed: the shared ffn only
             h = self.layer_out(layer, h + y)
             if on_layer is not None:

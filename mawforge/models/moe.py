@@ -9,7 +9,7 @@ Legend: T tokens, C hidden, k experts per token, n tokens routed to one expert.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -40,6 +40,27 @@ class MoEBlock:
     def __init__(self, cache, expert_fn: Callable[[], Callable | None]):
         self.cache, self.expert_fn = cache, expert_fn
         self._memo: dict[int, tuple] = {}
+        self.ahead = 0              # router lookahead: layers ahead (0: off); set by the runtime
+
+    def lookahead(self, layer: int, x: torch.Tensor, route: Callable, n_layers: int, dense: Sequence[int]) -> None:
+        """Before this layer's experts: apply layer+ahead's router (at layer 0 also the nearer
+        ones') to this layer's FFN input x [T, C] and prefetch what it would pick, in one plan
+        sparing every layer from this one on. `route(layer, x) -> (idx, w)` is the model's."""
+        if not self.ahead or not self.cache.driver.enabled:
+            return                  # off, or a measuring window with prefetch off
+        keys, widest = [], 0
+        for nxt in range(layer + 1 if layer == 0 else layer + self.ahead, layer + self.ahead + 1):
+            if nxt >= n_layers or nxt in dense:
+                continue            # no such layer, or no router there
+            idx, _ = route(nxt, x)                                                     # [T, k]
+            picked = sorted(set(idx[0].tolist())) if idx.shape[0] == 1 else torch.unique(idx).tolist()
+            keys += [(nxt, e) for e in picked]
+            widest = max(widest, sum(self.cache.block_bytes(nxt, e) for e in picked))
+        # a prefill wave routes to most of a layer's experts: where the cache cannot hold this
+        # layer's, the next one's and the looked-ahead one's at once, the prefetched blocks would
+        # take the room this layer's misses need and be evicted unused, read twice
+        if keys and (x.shape[0] == 1 or (self.ahead + 1) * widest <= self.cache.capacity):
+            self.cache.lookahead(keys)
 
     def __call__(self, layer: int, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         fn = self.expert_fn()
