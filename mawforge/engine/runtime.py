@@ -22,7 +22,7 @@ from mawforge.errors import BudgetRejected, FormatError, RequestError
 from mawforge.kernels import native
 from mawforge.models import model_class
 from mawforge.pack.manifest import read_index, read_manifest
-from mawforge.plan import PREFILL_WAVE, GiB, PackFacts, framework_in_process, make_plan
+from mawforge.plan import PREFILL_WAVE, GiB, PackFacts, Plan, framework_in_process, make_plan
 
 
 # Router lookahead (on under --prefetch auto): before layer l's experts, layer l+LOOKAHEAD's
@@ -69,10 +69,26 @@ class RuntimeOptions:
             raise FormatError(f"prefill wave must be positive, got {self.prefill_wave}")
 
 
+def plan_for_options(facts: PackFacts, opts: RuntimeOptions, framework_bytes: int | None = None) -> Plan:
+    """The one plan of a run: the pack's facts under the options' budget, context, cache and
+    prefill settings (framework_bytes: measured in this process, or None for the static figure).
+    The runtime makes it, or takes it made by its caller (`serve` checks it before binding)."""
+    budget, source = opts.memory_budget_gib, "--memory-budget-gib"
+    if budget is not None and opts.reserved_bytes:
+        budget, source = budget - opts.reserved_bytes / GiB, "--memory-budget-gib less the draft's L"
+    return make_plan(facts, memory_budget_gib=budget, context=opts.context,
+                     expert_cache_percent=opts.expert_cache_percent, expert_cache_gib=opts.expert_cache_gib,
+                     stream_embeddings=opts.stream_embeddings, kv_dtype=opts.kv_dtype,
+                     prefill_chunk=opts.prefill_chunk, prefill_wave=opts.prefill_wave,
+                     framework_bytes=framework_bytes, budget_source=source,
+                     extra_overhead_bytes=opts.extra_overhead_bytes, prompt_cache_gib=opts.prompt_cache_gib)
+
+
 class Runtime:
     def __init__(self, pack: str | Path, opts: RuntimeOptions = RuntimeOptions(), recorder=None,
-                 prompt_store: PromptStore | None = None):
-        """prompt_store: a store shared with other runtimes (default: its own of the plan's P bytes)."""
+                 prompt_store: PromptStore | None = None, plan: Plan | None = None):
+        """prompt_store: a store shared with other runtimes (default: its own of the plan's P bytes).
+        plan: plan_for_options' plan of this pack and these options, made by the caller (once)."""
         self.pack, self.opts = Path(pack), opts
         bound_allocator()                 # freed activations go back to the OS (engine/allocator.py)
         if opts.threads:
@@ -81,16 +97,7 @@ class Runtime:
         self.manifest, self.index = read_manifest(self.pack), read_index(self.pack)
         self.cfg = self.manifest.config
         self.facts = PackFacts.from_pack(self.pack)
-        budget, source = opts.memory_budget_gib, "--memory-budget-gib"
-        if budget is not None and opts.reserved_bytes:
-            budget, source = budget - opts.reserved_bytes / GiB, "--memory-budget-gib less the draft's L"
-        self.plan = make_plan(self.facts, memory_budget_gib=budget, context=opts.context,
-                              expert_cache_percent=opts.expert_cache_percent,
-                              expert_cache_gib=opts.expert_cache_gib, stream_embeddings=opts.stream_embeddings,
-                              kv_dtype=opts.kv_dtype, prefill_chunk=opts.prefill_chunk, prefill_wave=opts.prefill_wave,
-                              framework_bytes=framework_in_process(), budget_source=source,
-                              extra_overhead_bytes=opts.extra_overhead_bytes,
-                              prompt_cache_gib=opts.prompt_cache_gib)
+        self.plan = plan if plan is not None else plan_for_options(self.facts, opts, framework_in_process())
         if not self.plan.feasible:
             raise BudgetRejected(f"plan rejected: {self.plan.reason}")
         if opts.stream_embeddings and self.cfg.tie_embeddings:

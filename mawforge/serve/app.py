@@ -347,30 +347,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(a: argparse.Namespace) -> int:
     import signal
 
-    from mawforge.engine.runtime import Runtime
+    from mawforge.engine.runtime import Runtime, plan_for_options
     from mawforge.speculative.decode import uses_draft_pack
-    from mawforge.plan import PackFacts, make_plan, pair_plan_from_args
+    from mawforge.plan import PackFacts, framework_in_process, pair_plan_from_args
     opts = runtime_options(a)
     if a.dashboard:                              # its kept route traces are planned in O
         from mawforge.serve.dashboard import kept_trace_bytes
         opts = replace(opts, extra_overhead_bytes=kept_trace_bytes(PackFacts.from_pack(a.pack).top_k))
     chat = chat_settings(a)                      # a bad template file or kwargs fail before the model loads
+    run_plan = None                              # the runtime's plan, made once, here
     if uses_draft_pack(a):                       # the draft's L is planned beside the target's
         plan = pair_plan_from_args(a)
         opts = replace(runtime_options(a, plan.draft.L), extra_overhead_bytes=opts.extra_overhead_bytes)
     else:
-        plan = make_plan(PackFacts.from_pack(a.pack), memory_budget_gib=opts.memory_budget_gib, context=opts.context,
-                         expert_cache_percent=opts.expert_cache_percent, expert_cache_gib=opts.expert_cache_gib,
-                         stream_embeddings=opts.stream_embeddings, kv_dtype=opts.kv_dtype,
-                         prefill_chunk=opts.prefill_chunk, prefill_wave=opts.prefill_wave,
-                         extra_overhead_bytes=opts.extra_overhead_bytes, prompt_cache_gib=opts.prompt_cache_gib)
+        plan = run_plan = plan_for_options(PackFacts.from_pack(a.pack), opts, framework_in_process())
     if not plan.feasible:
         print(plan.table(), file=sys.stderr)
         print(f"mawforge serve: refusing to start: plan rejected: {plan.reason}", file=sys.stderr)
         return BudgetRejected.exit_code
     sock = bind(a.host, a.port)                  # a busy port fails before the model loads
     recorder = make_recorder(a)
-    rt = Runtime(a.pack, opts, recorder=recorder)
+    rt = Runtime(a.pack, opts, recorder=recorder, plan=run_plan)
     spec = None
     try:
         spec = speculator_from_args(rt, a)
