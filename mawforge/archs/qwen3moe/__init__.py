@@ -16,16 +16,6 @@ def required(cfg, layer: int) -> tuple:
     return ATTN + ("ffn_norm.weight", "ffn_gate_inp.weight", "attn_q_norm.weight", "attn_k_norm.weight")
 
 
-def model() -> type:
-    """The model class; torch and the model code load here, not when the registry is read.
-    The per-head q/k RMSNorm is the shared `qk_norm` hook's "head" kind (cfg.qk_norm below)."""
-    from mawforge.models.base import MoETransformer
-
-    class Qwen3Moe(MoETransformer):
-        pass
-
-    return Qwen3Moe
-
-
-ARCH = Arch("qwen3moe", ("qwen3_moe",), model, order=0, required=required,
+ARCH = Arch("qwen3moe", ("qwen3_moe",), f"{__name__}.model:Qwen3Moe",
+            order=0, required=required,
             defaults=dict(qk_norm="head", norm_topk_prob=True, rope_layout="neox"))
