@@ -86,6 +86,11 @@ class Arch:
 
     compiled: ClassVar[dict] = {}
 
+    @property
+    def package(self) -> str:
+        """The package's name under mawforge/archs/ (its fixture module has the same name)."""
+        return self.model.partition(":")[0].split(".")[-2]
+
     def model_class(self) -> type:
         """The model class, imported on first use (its module imports torch; these facts do not)."""
         module, _, name = self.model.partition(":")
