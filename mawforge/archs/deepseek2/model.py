@@ -10,11 +10,11 @@ from mawforge.models.kv import KVCache
 from mawforge.models.mtp import MtpMixin
 
 
-def swiglu_mlp(w, prefix: str, suffix: str, x: torch.Tensor) -> torch.Tensor:
-    """Dense SwiGLU from blk.N.ffn_{gate,up,down}{suffix}.weight. x [T, C] -> [T, C]."""
-    g = linear(x, w.packed(f"{prefix}ffn_gate{suffix}.weight")).float()
-    u = linear(x, w.packed(f"{prefix}ffn_up{suffix}.weight")).float()
-    return linear(torch.nn.functional.silu(g) * u, w.packed(f"{prefix}ffn_down{suffix}.weight")).float()
+def swiglu_mlp(lw: dict, suffix: str, x: torch.Tensor) -> torch.Tensor:
+    """Dense SwiGLU from one layer's bound ffn_{gate,up,down}{suffix}.weight. x [T, C] -> [T, C]."""
+    g = linear(x, lw[f"ffn_gate{suffix}.weight"]).float()
+    u = linear(x, lw[f"ffn_up{suffix}.weight"]).float()
+    return linear(torch.nn.functional.silu(g) * u, lw[f"ffn_down{suffix}.weight"]).float()
 
 
 class Deepseek2(MtpMixin, MoETransformer):
@@ -29,33 +29,33 @@ class Deepseek2(MtpMixin, MoETransformer):
             self.scale *= yarn_mscale(yarn["factor"], yarn["mscale_all_dim"]) ** 2
 
     # ---- attention -----------------------------------------------------------------------
-    def _up(self, p: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_uk [H, N, R] and W_uv [H, Vd, R] of one layer."""
+    def _up(self, lw: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_uk [H, N, R] and W_uv [H, Vd, R] of one layer (its bound tensors)."""
         H, N, Vd, R = self.cfg.n_heads, self.mla["qk_nope"], self.mla["v_head_dim"], self.mla["kv_lora_rank"]
-        if self.w.has(p + "attn_k_b.weight"):
-            return (self.w.dense(p + "attn_k_b.weight").reshape(H, R, N).transpose(1, 2),
-                    self.w.dense(p + "attn_v_b.weight").reshape(H, Vd, R))
-        kvb = self.w.dense(p + "attn_kv_b.weight").reshape(H, N + Vd, R)
+        if "attn_k_b.weight" in lw:
+            return (lw["attn_k_b.weight"].reshape(H, R, N).transpose(1, 2),
+                    lw["attn_v_b.weight"].reshape(H, Vd, R))
+        kvb = lw["attn_kv_b.weight"].reshape(H, N + Vd, R)
         return kvb[:, :N], kvb[:, N:]
 
-    def _query(self, p: str, x: torch.Tensor) -> torch.Tensor:
+    def _query(self, p: str, lw: dict, x: torch.Tensor) -> torch.Tensor:
         if not self.mla["q_lora_rank"]:
             return self.proj(p + "attn_q.weight", x).float()
-        qa = rms_norm(self.proj(p + "attn_q_a.weight", x).float(), self.w.dense(p + "attn_q_a_norm.weight"),
+        qa = rms_norm(self.proj(p + "attn_q_a.weight", x).float(), lw["attn_q_a_norm.weight"],
                       self.cfg.norm_eps)
         return self.proj(p + "attn_q_b.weight", qa).float()                       # [T, H*(N+P)]
 
     def attention(self, layer: int, x: torch.Tensor, pos: torch.Tensor, kv) -> torch.Tensor:
-        T, H, p = x.shape[0], self.cfg.n_heads, f"blk.{layer}."
+        T, H, p, lw = x.shape[0], self.cfg.n_heads, f"blk.{layer}.", self.layers[layer]
         N, R = self.mla["qk_nope"], self.mla["kv_lora_rank"]
-        q = self._query(p, x).view(T, H, -1)
+        q = self._query(p, lw, x).view(T, H, -1)
         q_nope, q_pe = q[..., :N], self.rope(q[..., N:], pos)                     # [T, H, N], [T, H, P]
         ckv = self.proj(p + "attn_kv_a_mqa.weight", x).float()                    # [T, R+P]
-        c = rms_norm(ckv[:, :R], self.w.dense(p + "attn_kv_a_norm.weight"), self.cfg.norm_eps)
+        c = rms_norm(ckv[:, :R], lw["attn_kv_a_norm.weight"], self.cfg.norm_eps)
         k_pe = self.rope(ckv[:, None, R:], pos)[:, 0]                             # [T, P]
         lat = kv.append_latent(layer, torch.cat((c, k_pe), dim=-1)).float()       # [S, R+P]
         S = lat.shape[0]
-        w_uk, w_uv = self._up(p)
+        w_uk, w_uv = self._up(lw)
         q_abs = torch.einsum("thn,hnr->htr", q_nope, w_uk)                        # [H, T, R]
         scores = (q_abs @ lat[:, :R].T + q_pe.transpose(0, 1) @ lat[:, R:].T) * self.scale   # [H, T, S]
         mask = torch.arange(S, device=x.device)[None] > (S - T + torch.arange(T, device=x.device))[:, None]
@@ -66,13 +66,13 @@ class Deepseek2(MtpMixin, MoETransformer):
 
     # ---- feed-forward --------------------------------------------------------------------
     def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        T, k, p, r = h.shape[0], self.cfg.top_k, f"blk.{layer}.", self.router
+        T, k, lw, r = h.shape[0], self.cfg.top_k, self.layers[layer], self.router
         if layer in self.dense_layers:       # no router (lookahead may still ask)
             return (torch.zeros(T, 0, dtype=torch.long, device=h.device),
                     torch.zeros(T, 0, device=h.device))
-        logits = h.float() @ self.w.dense(p + "ffn_gate_inp.weight").T            # [T, E]
+        logits = h.float() @ lw["ffn_gate_inp.weight"].T            # [T, E]
         scores = logits.sigmoid() if r["gating"] == "sigmoid" else logits.softmax(dim=-1)
-        choice = scores + self.w.dense(p + "exp_probs_b.bias") if self.w.has(p + "exp_probs_b.bias") else scores
+        choice = scores + lw["exp_probs_b.bias"] if "exp_probs_b.bias" in lw else scores
         if r["groups_used"] < r["groups"]:
             g = choice.view(T, r["groups"], -1)                                   # [T, G, E/G]
             gs = g.topk(2, dim=-1).values.sum(-1) if r["group_score"] == "top2sum" else g.amax(-1)
@@ -87,12 +87,12 @@ class Deepseek2(MtpMixin, MoETransformer):
 
     def ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         if layer in self.dense_layers:
-            return swiglu_mlp(self.w, f"blk.{layer}.", "", x)
+            return swiglu_mlp(self.layers[layer], "", x)
         return super().ffn(layer, x)
 
     def beside_experts(self, layer: int, h: torch.Tensor) -> torch.Tensor | None:
-        p = f"blk.{layer}."
-        return swiglu_mlp(self.w, p, "_shexp", h) if self.w.has(p + "ffn_gate_shexp.weight") else None
+        lw = self.layers[layer]
+        return swiglu_mlp(lw, "_shexp", h) if "ffn_gate_shexp.weight" in lw else None
 
     # ---- multi-token prediction ---------------------------------------------------------
     def mtp_cache(self, context: int, dtype: torch.dtype = torch.float32) -> KVCache:
@@ -109,16 +109,16 @@ class Deepseek2(MtpMixin, MoETransformer):
         shared experts), shared_head.norm, the shared LM head. The next chained step reads the
         un-normed output (as vLLM's DeepSeek MTP). The caller commits mtp_kv."""
         L, eps = self.cfg.n_layers, self.cfg.norm_eps
-        p = f"blk.{L}."
-        e = rms_norm(self.w.embed(tokens), self.w.dense(p + "nextn.enorm.weight"), eps)
-        hh = rms_norm(hidden, self.w.dense(p + "nextn.hnorm.weight"), eps)
+        p, lw = f"blk.{L}.", self.layers[L]
+        e = rms_norm(self.w.embed(tokens), lw["nextn.enorm.weight"], eps)
+        hh = rms_norm(hidden, lw["nextn.hnorm.weight"], eps)
         h = self.proj(p + "nextn.eh_proj.weight", torch.cat((e, hh), dim=-1)).float()
         pos = torch.arange(pos0, pos0 + tokens.shape[0], device=self.device)
-        h = h + self.attention(L, rms_norm(h, self.w.dense(p + "attn_norm.weight"), eps), pos, mtp_kv)
-        x = rms_norm(h, self.w.dense(p + self.ffn_norm_name), eps)
+        h = h + self.attention(L, rms_norm(h, lw["attn_norm.weight"], eps), pos, mtp_kv)
+        x = rms_norm(h, lw[self.ffn_norm_name], eps)
         idx, wts = self.route(L, x)
         h = h + self.mtp_experts(L, x, idx, wts)
         shared = self.beside_experts(L, x)
         h = h if shared is None else h + shared
-        out = rms_norm(h, self.w.dense(p + "nextn.shared_head_norm.weight"), eps)
+        out = rms_norm(h, lw["nextn.shared_head_norm.weight"], eps)
         return h, linear(out, self.w.head()).float()

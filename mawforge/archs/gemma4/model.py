@@ -41,33 +41,33 @@ class Gemma4(MoETransformer):
         self.inv_freq = {False: inv_s.to(device), True: inv_f.to(device)}
 
     def attention(self, layer: int, x: torch.Tensor, pos: torch.Tensor, kv) -> torch.Tensor:
-        T, p, full = x.shape[0], f"blk.{layer}.", self.full[layer]
+        T, p, full, lw = x.shape[0], f"blk.{layer}.", self.full[layer], self.layers[layer]
         G, D = self.shape[full]
-        q = linear(x, self.w.packed(p + "attn_q.weight")).float().view(T, -1, D)
-        k = linear(x, self.w.packed(p + "attn_k.weight")).float().view(T, G, D)
-        v = linear(x, self.w.packed(p + "attn_v.weight")).float().view(T, G, D) \
-            if self.w.has(p + "attn_v.weight") else k
+        q = linear(x, lw["attn_q.weight"]).float().view(T, -1, D)
+        k = linear(x, lw["attn_k.weight"]).float().view(T, G, D)
+        v = linear(x, lw["attn_v.weight"]).float().view(T, G, D) \
+            if "attn_v.weight" in lw else k
         inv = self.inv_freq[full]
         q = rope_rotate(self.norm(q, p + "attn_q_norm.weight"), pos, inv)
         k = rope_rotate(self.norm(k, p + "attn_k_norm.weight"), pos, inv)
         keys, vals = kv.append(layer, k, _unit_rms(v, self.cfg.norm_eps))           # [G, S, D]
         out = attend(q, keys, vals, 1.0, None if full else self.window)             # [T, H*D]
-        return linear(out, self.w.packed(p + "attn_output.weight")).float()
+        return linear(out, lw["attn_output.weight"]).float()
 
     def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h is the residual stream (the router normalizes it itself)."""
-        p = f"blk.{layer}."
-        r = _unit_rms(h, self.cfg.norm_eps) * self.w.dense(p + "ffn_gate_inp.scale") * self.cfg.hidden ** -0.5
-        idx, wts = route_softmax_topk(r @ self.w.dense(p + "ffn_gate_inp.weight").T, self.cfg.top_k, True)
-        return idx, wts * self.w.dense(p + "ffn_down_exps.scale")[idx]                # [T, k]
+        lw = self.layers[layer]
+        r = _unit_rms(h, self.cfg.norm_eps) * lw["ffn_gate_inp.scale"] * self.cfg.hidden ** -0.5
+        idx, wts = route_softmax_topk(r @ lw["ffn_gate_inp.weight"].T, self.cfg.top_k, True)
+        return idx, wts * lw["ffn_down_exps.scale"][idx]                # [T, k]
 
     def ffn(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        p = f"blk.{layer}."
+        p, lw = f"blk.{layer}.", self.layers[layer]
         x = self.norm(h, p + "ffn_norm.weight")
-        g = linear(x, self.w.packed(p + "ffn_gate.weight")).float()
-        u = linear(x, self.w.packed(p + "ffn_up.weight")).float()
-        y = linear(F.gelu(g, approximate="tanh") * u, self.w.packed(p + "ffn_down.weight")).float()
-        if self.w.has(p + "ffn_gate_inp.weight"):
+        g = linear(x, lw["ffn_gate.weight"]).float()
+        u = linear(x, lw["ffn_up.weight"]).float()
+        y = linear(F.gelu(g, approximate="tanh") * u, lw["ffn_down.weight"]).float()
+        if "ffn_gate_inp.weight" in lw:
             idx, wts = self.route(layer, h)
             moe = self.experts(layer, self.norm(h, p + "pre_ffw_norm_2.weight"), idx, wts)
             y = self.norm(y, p + "post_ffw_norm_1.weight") + self.norm(moe, p + "post_ffw_norm_2.weight")
@@ -83,8 +83,8 @@ class Gemma4(MoETransformer):
         return h                     # the FFN and the router normalize the residual stream themselves
 
     def layer_out(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        p = f"blk.{layer}.layer_output_scale.weight"
-        return h * self.w.dense(p) if self.w.has(p) else h
+        s = self.layers[layer].get("layer_output_scale.weight")
+        return h if s is None else h * s
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         logits = linear(h, self.w.head()).float()                                    # [T, V]

@@ -20,7 +20,7 @@ class Glm4Moe(MtpMixin, MoETransformer):
     # ---- attention -------------------------------------------------------------------
     def qk_norm(self, layer: int, q: torch.Tensor, k: torch.Tensor):
         p = f"blk.{layer}."
-        if not self.w.has(p + "attn_q_norm.weight"):
+        if "attn_q_norm.weight" not in self.layers[layer]:
             return q, k
         return self.norm(q, p + "attn_q_norm.weight"), self.norm(k, p + "attn_k_norm.weight")
 
@@ -36,18 +36,19 @@ class Glm4Moe(MtpMixin, MoETransformer):
         return self.proj(p + "attn_output.weight", attend(q, keys, vals, self.scale))
 
     # ---- feed-forward ----------------------------------------------------------------
-    def mlp(self, p: str, suffix: str, x: torch.Tensor) -> torch.Tensor:
+    def mlp(self, layer: int, suffix: str, x: torch.Tensor) -> torch.Tensor:
         """Dense SwiGLU from blk.N.ffn_{gate,up,down}{suffix}.weight. x [T, C] -> [T, C]."""
-        g = linear(x, self.w.packed(f"{p}ffn_gate{suffix}.weight")).float()
-        u = linear(x, self.w.packed(f"{p}ffn_up{suffix}.weight")).float()
-        return linear(torch.nn.functional.silu(g) * u, self.w.packed(f"{p}ffn_down{suffix}.weight")).float()
+        lw = self.layers[layer]
+        g = linear(x, lw[f"ffn_gate{suffix}.weight"]).float()
+        u = linear(x, lw[f"ffn_up{suffix}.weight"]).float()
+        return linear(torch.nn.functional.silu(g) * u, lw[f"ffn_down{suffix}.weight"]).float()
 
     def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        T, p, r = h.shape[0], f"blk.{layer}.", self.router
+        T, lw, r = h.shape[0], self.layers[layer], self.router
         if layer in self.dense_layers:       # no router (lookahead may still ask)
             return torch.zeros(T, 0, dtype=torch.long, device=h.device), torch.zeros(T, 0, device=h.device)
-        scores = (h.float() @ self.w.dense(p + "ffn_gate_inp.weight").T).sigmoid()      # [T, E]
-        choice = scores + self.w.dense(p + "exp_probs_b.bias")                # bias: the choice only
+        scores = (h.float() @ lw["ffn_gate_inp.weight"].T).sigmoid()      # [T, E]
+        choice = scores + lw["exp_probs_b.bias"]                # bias: the choice only
         if r["groups_used"] < r["groups"]:   # keep the groups whose two best experts sum highest
             best2 = choice.view(T, r["groups"], -1).topk(2, dim=-1).values.sum(-1)        # [T, groups]
             drop = torch.ones_like(best2, dtype=torch.bool).scatter_(
@@ -61,12 +62,11 @@ class Glm4Moe(MtpMixin, MoETransformer):
 
     def ffn(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         if layer in self.dense_layers:
-            return self.mlp(f"blk.{layer}.", "", x)
+            return self.mlp(layer, "", x)
         return super().ffn(layer, x)
 
     def beside_experts(self, layer: int, h: torch.Tensor) -> torch.Tensor | None:
-        p = f"blk.{layer}."
-        return self.mlp(p, "_shexp", h) if self.w.has(p + "ffn_gate_shexp.weight") else None
+        return self.mlp(layer, "_shexp", h) if "ffn_gate_shexp.weight" in self.layers[layer] else None
 
     # ---- multi-token prediction ------------------------------------------------------
     def mtp_step(self, hidden: torch.Tensor, tokens: torch.Tensor, pos0: int,
@@ -86,6 +86,6 @@ class Glm4Moe(MtpMixin, MoETransformer):
         x = self.ffn_input(L, h)
         idx, wts = self.route(L, x)
         h = h + self.mtp_experts(L, x, idx, wts) + self.beside_experts(L, x)
-        norm = p + "nextn.shared_head_norm.weight"
-        out = self.norm(h, norm if self.w.has(norm) else "output_norm.weight")
+        norm = "nextn.shared_head_norm.weight"
+        out = self.norm(h, p + norm if norm in self.layers[L] else "output_norm.weight")
         return out, self.logits(out)

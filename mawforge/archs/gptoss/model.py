@@ -44,13 +44,13 @@ class GptOss(MoETransformer):
         self.expert_fn = functools.partial(oss_expert, alpha=x.swiglu_alpha, limit=x.swiglu_limit)
 
     def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        p = f"blk.{layer}."
-        logits = h.float() @ self.w.dense(p + "ffn_gate_inp.weight").T + self.w.dense(p + "ffn_gate_inp.bias")
+        lw = self.layers[layer]
+        logits = h.float() @ lw["ffn_gate_inp.weight"].T + lw["ffn_gate_inp.bias"]
         top, idx = torch.topk(logits, self.cfg.top_k, dim=-1)                     # [T, k]
         return idx, torch.softmax(top, dim=-1)
 
     def attention(self, layer: int, x: torch.Tensor, pos: torch.Tensor, kv) -> torch.Tensor:
-        cfg, T, p = self.cfg, x.shape[0], f"blk.{layer}."
+        cfg, T, p, lw = self.cfg, x.shape[0], f"blk.{layer}.", self.layers[layer]
         H, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         q = self.rope(self.proj(p + "attn_q.weight", x).float().view(T, H, D), pos)
         k = self.rope(self.proj(p + "attn_k.weight", x).float().view(T, G, D), pos)
@@ -65,7 +65,7 @@ class GptOss(MoETransformer):
         if self.windows[layer] is not None:
             mask = mask | (kpos <= qpos - self.windows[layer])
         scores = scores.masked_fill(mask, float("-inf"))
-        sink = self.w.dense(p + "attn_sinks.weight").view(G, H // G, 1, 1).expand(G, H // G, T, 1)
+        sink = lw["attn_sinks.weight"].view(G, H // G, 1, 1).expand(G, H // G, T, 1)
         probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :S]  # [G, H/G, T, S]
         out = torch.bmm(probs.reshape(G, H // G * T, S), vals.float())             # [G, H/G*T, D]
         out = out.view(G, H // G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)

@@ -9,11 +9,11 @@ from mawforge.models.base import MoETransformer
 
 class Qwen2Moe(MoETransformer):
     def beside_experts(self, layer: int, h: torch.Tensor) -> torch.Tensor | None:
-        p = f"blk.{layer}."
-        if not self.w.has(p + "ffn_gate_shexp.weight"):
+        lw = self.layers[layer]
+        if "ffn_gate_shexp.weight" not in lw:
             return None
-        g = linear(h, self.w.packed(p + "ffn_gate_shexp.weight")).float()          # [T, F_sh]
-        u = linear(h, self.w.packed(p + "ffn_up_shexp.weight")).float()
-        y = linear(torch.nn.functional.silu(g) * u, self.w.packed(p + "ffn_down_shexp.weight")).float()
-        gate = torch.sigmoid(h @ self.w.dense(p + "ffn_gate_inp_shexp.weight").T)  # [T, 1]
+        g = linear(h, lw["ffn_gate_shexp.weight"]).float()          # [T, F_sh]
+        u = linear(h, lw["ffn_up_shexp.weight"]).float()
+        y = linear(torch.nn.functional.silu(g) * u, lw["ffn_down_shexp.weight"]).float()
+        gate = torch.sigmoid(h @ lw["ffn_gate_inp_shexp.weight"].T)  # [T, 1]
         return gate * y
