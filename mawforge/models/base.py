@@ -163,7 +163,7 @@ def route_softmax_topk(logits: torch.Tensor, k: int, renorm: bool) -> tuple[torc
 
 
 class MoETransformer:
-    """The one decoder loop. An architecture file's model() subclasses it and overrides the
+    """The one decoder loop. An architecture's model.py subclasses it and overrides the
     per-layer blocks that differ (mixer, ffn, norms, routing, what runs beside the routed
     experts), never the loop itself:
 
