@@ -1,8 +1,9 @@
 """Qwen3-MoE (HF `qwen3_moe`, GGUF `qwen3moe`): per-head RMSNorm on q and k before RoPE,
 softmax router with renormalized top-k, no shared expert.
 
-The template for a new architecture: copy this file, rename, and override only the hooks that
-differ (see mawforge/models/base.py MoETransformer and CONTRIBUTING.md).
+The template for a new architecture: copy this package (the facts here, the model class in
+model.py), rename, and override only the hooks that differ (see mawforge/models/base.py
+MoETransformer and CONTRIBUTING.md).
 """
 from __future__ import annotations
 
