@@ -7,6 +7,7 @@ import re
 
 from mawforge.formats.config import ModelConfig
 from mawforge.formats.required import check_required
+from mawforge.kernels import linear
 
 _BLK = re.compile(r"blk\.(\d+)\.(.+)$")
 
@@ -16,6 +17,13 @@ class LayerWeights(dict):
     tensor is kept dense, else the packed view; the same objects, so the same bits). Every
     `blk.N.` tensor of the pack is here, required or optional: `suffix in w` is the presence
     test (a missing attn_v, a shared expert, a router correction bias)."""
+
+    def proj(self, suffix: str, x):
+        """x @ <suffix>.T plus its bias where the pack has one: MoETransformer.proj on the bound
+        tensors (the same weights, the same arithmetic)."""
+        y = linear(x, self[suffix])
+        b = self.get(suffix.replace(".weight", ".bias"))
+        return y if b is None else y + b
 
 
 def bind_layers(cfg: ModelConfig, weights) -> list[LayerWeights]:

@@ -38,19 +38,19 @@ class Deepseek2(MtpMixin, MoETransformer):
         kvb = lw["attn_kv_b.weight"].reshape(H, N + Vd, R)
         return kvb[:, :N], kvb[:, N:]
 
-    def _query(self, p: str, lw: dict, x: torch.Tensor) -> torch.Tensor:
+    def _query(self, lw: dict, x: torch.Tensor) -> torch.Tensor:
         if not self.mla["q_lora_rank"]:
-            return self.proj(p + "attn_q.weight", x).float()
-        qa = rms_norm(self.proj(p + "attn_q_a.weight", x).float(), lw["attn_q_a_norm.weight"],
+            return lw.proj("attn_q.weight", x).float()
+        qa = rms_norm(lw.proj("attn_q_a.weight", x).float(), lw["attn_q_a_norm.weight"],
                       self.cfg.norm_eps)
-        return self.proj(p + "attn_q_b.weight", qa).float()                       # [T, H*(N+P)]
+        return lw.proj("attn_q_b.weight", qa).float()                       # [T, H*(N+P)]
 
     def attention(self, layer: int, x: torch.Tensor, pos: torch.Tensor, kv) -> torch.Tensor:
-        T, H, p, lw = x.shape[0], self.cfg.n_heads, f"blk.{layer}.", self.layers[layer]
+        T, H, lw = x.shape[0], self.cfg.n_heads, self.layers[layer]
         N, R = self.mla["qk_nope"], self.mla["kv_lora_rank"]
-        q = self._query(p, lw, x).view(T, H, -1)
+        q = self._query(lw, x).view(T, H, -1)
         q_nope, q_pe = q[..., :N], self.rope(q[..., N:], pos)                     # [T, H, N], [T, H, P]
-        ckv = self.proj(p + "attn_kv_a_mqa.weight", x).float()                    # [T, R+P]
+        ckv = lw.proj("attn_kv_a_mqa.weight", x).float()                    # [T, R+P]
         c = rms_norm(ckv[:, :R], lw["attn_kv_a_norm.weight"], self.cfg.norm_eps)
         k_pe = self.rope(ckv[:, None, R:], pos)[:, 0]                             # [T, P]
         lat = kv.append_latent(layer, torch.cat((c, k_pe), dim=-1)).float()       # [S, R+P]
@@ -62,7 +62,7 @@ class Deepseek2(MtpMixin, MoETransformer):
         probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
         o_lat = probs @ lat[:, :R]                                                # [H, T, R]
         out = torch.einsum("htr,hvr->thv", o_lat, w_uv).reshape(T, -1)            # [T, H*Vd]
-        return self.proj(p + "attn_output.weight", out)
+        return lw.proj("attn_output.weight", out)
 
     # ---- feed-forward --------------------------------------------------------------------
     def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,10 +109,10 @@ class Deepseek2(MtpMixin, MoETransformer):
         shared experts), shared_head.norm, the shared LM head. The next chained step reads the
         un-normed output (as vLLM's DeepSeek MTP). The caller commits mtp_kv."""
         L, eps = self.cfg.n_layers, self.cfg.norm_eps
-        p, lw = f"blk.{L}.", self.layers[L]
+        lw = self.layers[L]
         e = rms_norm(self.w.embed(tokens), lw["nextn.enorm.weight"], eps)
         hh = rms_norm(hidden, lw["nextn.hnorm.weight"], eps)
-        h = self.proj(p + "nextn.eh_proj.weight", torch.cat((e, hh), dim=-1)).float()
+        h = lw.proj("nextn.eh_proj.weight", torch.cat((e, hh), dim=-1)).float()
         pos = torch.arange(pos0, pos0 + tokens.shape[0], device=self.device)
         h = h + self.attention(L, rms_norm(h, lw["attn_norm.weight"], eps), pos, mtp_kv)
         x = rms_norm(h, lw[self.ffn_norm_name], eps)

@@ -25,15 +25,15 @@ class Glm4Moe(MtpMixin, MoETransformer):
         return self.norm(q, p + "attn_q_norm.weight"), self.norm(k, p + "attn_k_norm.weight")
 
     def attention(self, layer: int, x: torch.Tensor, pos: torch.Tensor, kv) -> torch.Tensor:
-        cfg, T, p = self.cfg, x.shape[0], f"blk.{layer}."
+        cfg, T, lw = self.cfg, x.shape[0], self.layers[layer]
         H, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        q = self.proj(p + "attn_q.weight", x).float().view(T, H, D)
-        k = self.proj(p + "attn_k.weight", x).float().view(T, G, D)
-        v = self.proj(p + "attn_v.weight", x).float().view(T, G, D)
+        q = lw.proj("attn_q.weight", x).float().view(T, H, D)
+        k = lw.proj("attn_k.weight", x).float().view(T, G, D)
+        v = lw.proj("attn_v.weight", x).float().view(T, G, D)
         q, k = self.qk_norm(layer, q, k)                                      # per head, before RoPE
         q, k = rope_rotate(q, pos, self.inv_freq), rope_rotate(k, pos, self.inv_freq)   # first R dims
         keys, vals = kv.append(layer, k, v)                                   # [G, S, D]
-        return self.proj(p + "attn_output.weight", attend(q, keys, vals, self.scale))
+        return lw.proj("attn_output.weight", attend(q, keys, vals, self.scale))
 
     # ---- feed-forward ----------------------------------------------------------------
     def mlp(self, layer: int, suffix: str, x: torch.Tensor) -> torch.Tensor:
@@ -80,7 +80,7 @@ class Glm4Moe(MtpMixin, MoETransformer):
         L = self.cfg.n_layers
         p = f"blk.{L}."
         e, hh = self.norm(self.embed(tokens), p + "nextn.enorm.weight"), self.norm(hidden, p + "nextn.hnorm.weight")
-        h = self.proj(p + "nextn.eh_proj.weight", torch.cat((e, hh), dim=-1)).float()
+        h = self.layers[L].proj("nextn.eh_proj.weight", torch.cat((e, hh), dim=-1)).float()
         pos = torch.arange(pos0, pos0 + tokens.shape[0], device=self.device)
         h = h + self.attention(L, self.norm(h, p + "attn_norm.weight"), pos, mtp_kv)
         x = self.ffn_input(L, h)

@@ -50,11 +50,11 @@ class GptOss(MoETransformer):
         return idx, torch.softmax(top, dim=-1)
 
     def attention(self, layer: int, x: torch.Tensor, pos: torch.Tensor, kv) -> torch.Tensor:
-        cfg, T, p, lw = self.cfg, x.shape[0], f"blk.{layer}.", self.layers[layer]
+        cfg, T, lw = self.cfg, x.shape[0], self.layers[layer]
         H, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        q = self.rope(self.proj(p + "attn_q.weight", x).float().view(T, H, D), pos)
-        k = self.rope(self.proj(p + "attn_k.weight", x).float().view(T, G, D), pos)
-        v = self.proj(p + "attn_v.weight", x).float().view(T, G, D)
+        q = self.rope(lw.proj("attn_q.weight", x).float().view(T, H, D), pos)
+        k = self.rope(lw.proj("attn_k.weight", x).float().view(T, G, D), pos)
+        v = lw.proj("attn_v.weight", x).float().view(T, G, D)
         keys, vals = kv.append(layer, k, v)                                       # [G, S, D]
         S = keys.shape[1]
         qg = q.view(T, G, H // G, D).permute(1, 2, 0, 3).reshape(G, H // G * T, D)
@@ -69,4 +69,4 @@ class GptOss(MoETransformer):
         probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :S]  # [G, H/G, T, S]
         out = torch.bmm(probs.reshape(G, H // G * T, S), vals.float())             # [G, H/G*T, D]
         out = out.view(G, H // G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)
-        return self.proj(p + "attn_output.weight", out)
+        return lw.proj("attn_output.weight", out)
