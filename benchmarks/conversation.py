@@ -148,8 +148,8 @@ def qwen3_template() -> Path:
 def renderer(pack: Path, template: Path):
     """(render(messages, tools) -> token ids, tokenizer): the prompt `mawforge serve` builds for
     the same request with --chat-template-file template."""
-    from mawforge.engine.chat import ChatTemplate
-    from mawforge.engine.tokenizer import load_tokenizer
+    from mawforge.text.chat import ChatTemplate
+    from mawforge.text.tokenizer import load_tokenizer
     from mawforge.pack.manifest import read_manifest
     from mawforge.serve.chatreq import ChatDefaults, ChatFront, parse_chat_options
     tok = load_tokenizer(pack, read_manifest(pack).tokenizer)

@@ -114,7 +114,7 @@ def test_float_weights_and_overridden_hooks_keep_the_separate_calls(packs):
 def test_families_with_their_own_attention_do_not_take_it(arch):
     """Families whose attention or q/k norm differ are never planned (checked on the class)."""
     from mawforge.archs import HF_MODEL_TYPES, get
-    cls = get(HF_MODEL_TYPES[arch]).model()
+    cls = get(HF_MODEL_TYPES[arch]).model_class()
     assert any(getattr(cls, f) is not getattr(MoETransformer, f) for f in ("attention", "qk_norm", "mixer"))
 
 

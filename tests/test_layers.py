@@ -1,7 +1,7 @@
 """Dependencies go one way: formats and text -> quant codecs -> kernels -> models -> cache -> engine ->
 serve/bench/trace. Every `import` in mawforge/ counts, module-level or inside a function, so no
-lazy import can hide a cycle. An architecture file (mawforge/archs/<name>.py) is torch-free
-formats-level code, except the body of its `model()`, which is model code."""
+lazy import can hide a cycle. An architecture is a package (mawforge/archs/<name>/): its
+`__init__.py` is torch-free formats-level code, its `model.py` is model code."""
 from __future__ import annotations
 
 import ast
@@ -11,11 +11,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "mawforge"
 
-# Longest prefix wins. Equal ranks may import each other; a lower rank never imports a higher one.
+# The longest matching prefix wins ("*" matches one name). Equal ranks may import each other; a lower
+# rank never imports a higher one.
 LAYERS = {
     "mawforge": 0, "mawforge.errors": 0,
     "mawforge.archs": 1, "mawforge.formats": 1, "mawforge.byte_rules": 1,
     "mawforge.text": 1,              # tokenizers, chat templates, tool-call formats: torch-free, errors only
+    "mawforge.archs.*.model": 4,     # an architecture's model class; its package's __init__ is the facts
     "mawforge.codecs": 2, "mawforge.pack": 2.5,
     "mawforge.kernels": 3,
     "mawforge.models": 4,
@@ -27,11 +29,15 @@ LAYERS = {
     "mawforge.api": 7, "mawforge.commands": 7,
     "mawforge.synth": 7, "mawforge.fixtures": 7, "mawforge.fuzz": 7, "mawforge.demo": 7,
 }
-MODEL_BUILDER = 4     # the rank of an architecture file's model() body
+
+
+def matches(prefix: str, module: str) -> bool:
+    want, have = prefix.split("."), module.split(".")
+    return len(have) >= len(want) and all(w in ("*", h) for w, h in zip(want, have))
 
 
 def rank(module: str) -> float:
-    best = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+    best = max((p for p in LAYERS if matches(p, module)), key=lambda p: p.count("."))
     return LAYERS[best]
 
 
@@ -41,36 +47,46 @@ def module_of(path: Path) -> str:
 
 
 def imports(tree: ast.AST):
-    """(imported module, enclosing top-level function name or None, line) for every import."""
-    def walk(node, fn):
-        for child in ast.iter_child_nodes(node):
-            inner = child.name if fn is None and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else fn
-            if isinstance(child, ast.Import):
-                for a in child.names:
-                    yield a.name, fn, child.lineno
-            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
-                for a in child.names:      # `from pkg import sub` imports pkg.sub when it is a module
-                    yield (f"{child.module}.{a.name}"
-                           if (ROOT.parent / child.module.replace(".", "/") / a.name).exists()
-                           or (ROOT.parent / child.module.replace(".", "/") / f"{a.name}.py").exists()
-                           else child.module), fn, child.lineno
-            yield from walk(child, inner)
-    yield from walk(tree, None)
+    """(imported module, line) for every import, module-level or nested in a function."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, node.lineno
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for a in node.names:      # `from pkg import sub` imports pkg.sub when it is a module
+                yield (f"{node.module}.{a.name}"
+                       if (ROOT.parent / node.module.replace(".", "/") / a.name).exists()
+                       or (ROOT.parent / node.module.replace(".", "/") / f"{a.name}.py").exists()
+                       else node.module), node.lineno
 
 
 def test_no_import_goes_upward():
     upward = []
     for path in sorted(ROOT.rglob("*.py")):
         src = module_of(path)
-        for dst, fn, line in imports(ast.parse(path.read_text())):
+        for dst, line in imports(ast.parse(path.read_text())):
             if not dst.startswith("mawforge.") or dst == src:
                 continue
-            here = rank(src)
-            if src.startswith("mawforge.archs.") and fn == "model":
-                here = MODEL_BUILDER
-            if rank(dst) > here:
-                upward.append(f"{path.relative_to(ROOT.parent)}:{line} {src} ({here}) imports {dst} ({rank(dst)})")
+            if rank(dst) > rank(src):
+                upward.append(f"{path.relative_to(ROOT.parent)}:{line} {src} ({rank(src)}) imports {dst} ({rank(dst)})")
     assert not upward, "imports against the layer order:\n" + "\n".join(upward)
+
+
+def test_every_architecture_is_a_package_with_its_model_beside():
+    """One rule for all: mawforge/archs/<name>/__init__.py holds the facts and ARCH,
+    mawforge/archs/<name>/model.py the model class ARCH names (checked by name, not imported:
+    importing it would load torch)."""
+    from mawforge.archs import ARCHS
+
+    for arch in ARCHS.values():
+        module, _, cls = arch.model.partition(":")
+        assert module.startswith("mawforge.archs.") and module.endswith(".model"), (arch.name, arch.model)
+        path = ROOT.parent / (module.replace(".", "/") + ".py")
+        assert (path.parent / "__init__.py").read_text().count("ARCH = Arch(") == 1, path.parent
+        assert any(isinstance(n, ast.ClassDef) and n.name == cls for n in ast.parse(path.read_text()).body), \
+            f"{path} has no module-level class {cls}"
+    loose = [p.name for p in (ROOT / "archs").glob("*.py") if p.stem not in ("__init__", "spec", "_yarn")]
+    assert not loose, f"architecture modules outside a package: {loose}"
 
 
 def test_cache_does_not_compute_and_planner_is_torch_free():

@@ -1,6 +1,7 @@
-"""The architecture registry, filled from the files in this package: every module here except
-`spec` declares `ARCH = Arch(...)` (see spec.py). Adding an architecture is adding one file;
-nothing else lists them. Torch-free: importing this reads the declarations, not the models.
+"""The architecture registry, filled from the packages in this package: every architecture
+package mawforge/archs/<name>/ declares `ARCH = Arch(...)` in its `__init__.py` (see spec.py)
+and its model class in `model.py`. Adding an architecture is adding one package; nothing else
+lists them. Torch-free: importing this reads the declarations, not the models.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from mawforge.errors import UnsupportedError
 
 _ALL: list[Arch] = []
 for _m in pkgutil.iter_modules(__path__):
-    if _m.name != "spec" and not _m.name.startswith("_"):
+    if _m.ispkg:
         _ALL.append(importlib.import_module(f"{__name__}.{_m.name}").ARCH)
 
 ARCHS: dict[str, Arch] = {a.name: a for a in sorted(_ALL, key=lambda a: (a.order, a.name))}

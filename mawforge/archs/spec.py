@@ -1,16 +1,20 @@
-"""What one architecture file declares: `ARCH = Arch(...)`. Torch-free, so the readers and the
+"""What one architecture declares: `ARCH = Arch(...)`. Torch-free, so the readers and the
 planner can read every architecture's facts without loading the model code.
 
-An architecture file (mawforge/archs/<name>.py) holds, in this order: its typed `Args` (the
-family settings a ModelConfig keeps as plain JSON in `extra`, parsed once into a frozen
+An architecture is a package, mawforge/archs/<name>/ (as transformers' configuration_x.py +
+modeling_x.py). Its `__init__.py` holds the torch-free facts, in this order: its typed `Args`
+(the family settings a ModelConfig keeps as plain JSON in `extra`, parsed once into a frozen
 dataclass), its HF config.json and GGUF metadata readers, its HF tensor-name table, the common
-tensors it keeps dense and the ones it requires, and `model()`, which builds the model class.
-`model()` is the only place an architecture file touches torch and mawforge.models: the
-torch-free half above it is formats-level code, the body of `model()` is model-level code.
+tensors it keeps dense and the ones it requires, and `ARCH`. Its `model.py` holds the model
+class at module level: the only module of the architecture that imports torch and
+mawforge.models (tests/test_layers.py ranks `mawforge.archs.*.model` as model code, the rest
+as formats code). `ARCH.model` names that class ("module:Class"); `model_class()` imports it
+on first use.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
@@ -68,7 +72,7 @@ def no_required(cfg, layer: int) -> tuple:
 class Arch:
     name: str                                   # llama.cpp's architecture name (GGUF general.architecture)
     hf_model_types: tuple[str, ...]             # HF config.json model_type values that map here
-    model: Callable[[], type]                   # builds the model class (imports torch)
+    model: str                                  # "package.model:Class", imported by model_class()
     defaults: dict = field(default_factory=dict)    # ModelConfig fields the file formats do not carry
     args: type = ArchArgs                       # typed view of ModelConfig.extra
     read_hf: Callable[[dict], dict] = no_settings   # config.json -> ModelConfig field overrides (extra too)
@@ -81,6 +85,16 @@ class Arch:
     order: int = 100                            # position in SUPPORTED_ARCHS (error messages, docs)
 
     compiled: ClassVar[dict] = {}
+
+    @property
+    def package(self) -> str:
+        """The package's name under mawforge/archs/ (its fixture module has the same name)."""
+        return self.model.partition(":")[0].split(".")[-2]
+
+    def model_class(self) -> type:
+        """The model class, imported on first use (its module imports torch; these facts do not)."""
+        module, _, name = self.model.partition(":")
+        return getattr(importlib.import_module(module), name)
 
     def hf_name_table(self) -> list:
         if self.name not in Arch.compiled:

@@ -12,10 +12,9 @@ from typing import Callable, ClassVar
 import numpy as np
 import torch
 
-from mawforge.archs import get
 from mawforge.formats.config import ModelConfig
-from mawforge.formats.required import check_required
 from mawforge.kernels import linear, native
+from mawforge.models.bound import bind_layers
 from mawforge.models.fastpath import DecodeAttention
 from mawforge.models.moe import MoEBlock
 
@@ -164,7 +163,7 @@ def route_softmax_topk(logits: torch.Tensor, k: int, renorm: bool) -> tuple[torc
 
 
 class MoETransformer:
-    """The one decoder loop. An architecture file's model() subclasses it and overrides the
+    """The one decoder loop. An architecture's model.py subclasses it and overrides the
     per-layer blocks that differ (mixer, ffn, norms, routing, what runs beside the routed
     experts), never the loop itself:
 
@@ -243,8 +242,8 @@ class MoETransformer:
 
     # ---- blocks ------------------------------------------------------------------------
     def _bound(self, layer: int, suffix: str):
-        """blk.{layer}.{suffix} as bound at load (a dict lookup, no name formatting), or looked
-        up by name where the architecture's `required` does not list it."""
+        """blk.{layer}.{suffix} as bound at load (models/bound.py; a dict lookup, no name
+        formatting), or looked up by name past the layers the pack has."""
         w = self.layers[layer].get(suffix) if layer < len(self.layers) else None
         return w if w is not None else self.w.bind(f"blk.{layer}.{suffix}")
 
@@ -331,11 +330,3 @@ class MoETransformer:
             with kv.ahead(a):
                 parts.append(self.mixer_out(layer, self.mixer(layer, self.norm(h[a:b], name), pos[a:b], kv)))
         return torch.cat(parts)
-
-
-def bind_layers(cfg: ModelConfig, weights) -> list[dict]:
-    """Each layer's required tensors (the architecture file's `required`), resolved once at
-    load: a missing or mis-ranked tensor fails here, naming it, instead of mid-decode."""
-    check_required(cfg, weights.records)
-    need = get(cfg.arch).required
-    return [{s: weights.bind(f"blk.{layer}.{s}") for s in need(cfg, layer)} for layer in range(cfg.n_layers)]

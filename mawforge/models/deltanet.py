@@ -60,11 +60,12 @@ def replay(state: list[torch.Tensor], conv_in: torch.Tensor, q, k, v, g, beta) -
 
 
 class DeltaNetMixer:
-    """One linear-attention layer's token mixer over CommonWeights names blk.N.{attn_qkv, attn_gate
-    | ssm_in, ssm_beta, ssm_alpha | ssm_ba, ssm_conv1d, ssm_dt.bias, ssm_a | ssm_a_log, ssm_norm, ssm_out}."""
+    """One linear-attention layer's token mixer over the layer's tensors bound at load
+    (models/bound.py: layers[N][suffix]), suffixes {attn_qkv, attn_gate | ssm_in, ssm_beta,
+    ssm_alpha | ssm_ba, ssm_conv1d, ssm_dt.bias, ssm_a | ssm_a_log, ssm_norm, ssm_out}."""
 
-    def __init__(self, weights, spec: dict, eps: float):
-        self.w, self.eps = weights, eps
+    def __init__(self, layers: list[dict], spec: dict, eps: float):
+        self.layers, self.eps = layers, eps
         self.hk, self.hv, self.dk, self.dv = spec["k_heads"], spec["v_heads"], spec["k_dim"], spec["v_dim"]
         self.tiled = spec.get("v_order", "grouped") == "tiled"
         self._a: dict[int, torch.Tensor] = {}
@@ -72,12 +73,12 @@ class DeltaNetMixer:
     def decay_rate(self, layer: int) -> torch.Tensor:
         """-exp(A_log) per value head [Hv]."""
         if layer not in self._a:
-            p = f"blk.{layer}."
-            self._a[layer] = (self.w.dense(p + "ssm_a") if self.w.has(p + "ssm_a")
-                              else -self.w.dense(p + "ssm_a_log").exp()).reshape(-1)
+            lw = self.layers[layer]
+            self._a[layer] = (lw["ssm_a"] if "ssm_a" in lw
+                              else -lw["ssm_a_log"].exp()).reshape(-1)
         return self._a[layer]
 
-    def project(self, p: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def project(self, lw: dict, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [T, C] -> q|k|v before the conv [T, Ch], z [T, Hv, Dv], b and a [T, Hv], from whichever
         layout the checkpoint has: split (attn_qkv, attn_gate, ssm_beta, ssm_alpha: Qwen3.5, and
         Qwen3-Next's GGUF q|k|v and z) or fused per key head (Qwen3-Next): ssm_in rows are
@@ -85,28 +86,29 @@ class DeltaNetMixer:
         rows [b (r), a (r)] per key head (HF in_proj_ba). r = Hv / Hk."""
         T, hk, hv, dk, dv = x.shape[0], self.hk, self.hv, self.dk, self.dv
         r = hv // hk
-        if self.w.has(p + "ssm_in.weight"):
-            y = linear(x, self.w.packed(p + "ssm_in.weight")).float().view(T, hk, 2 * dk + 2 * r * dv)
+        if "ssm_in.weight" in lw:
+            y = linear(x, lw["ssm_in.weight"]).float().view(T, hk, 2 * dk + 2 * r * dv)
             q, k, v, z = y.split((dk, dk, r * dv, r * dv), dim=-1)
             mixed = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1)   # [T, Ch]
         else:
-            mixed = linear(x, self.w.packed(p + "attn_qkv.weight")).float()      # [T, Ch]
-            z = linear(x, self.w.packed(p + "attn_gate.weight")).float()
-        if self.w.has(p + "ssm_ba.weight"):
-            ba = linear(x, self.w.packed(p + "ssm_ba.weight")).float().view(T, hk, 2 * r)
+            mixed = linear(x, lw["attn_qkv.weight"]).float()      # [T, Ch]
+            z = linear(x, lw["attn_gate.weight"]).float()
+        if "ssm_ba.weight" in lw:
+            ba = linear(x, lw["ssm_ba.weight"]).float().view(T, hk, 2 * r)
             b, a = ba[..., :r].reshape(T, hv), ba[..., r:].reshape(T, hv)         # [T, Hv]
         else:
-            b = linear(x, self.w.packed(p + "ssm_beta.weight")).float()
-            a = linear(x, self.w.packed(p + "ssm_alpha.weight")).float()
+            b = linear(x, lw["ssm_beta.weight"]).float()
+            a = linear(x, lw["ssm_alpha.weight"]).float()
         return mixed, z.reshape(T, hv, dv), b, a
 
-    def __call__(self, layer: int, x: torch.Tensor, state: list[torch.Tensor], trail: list | None = None) -> torch.Tensor:
+    def __call__(self, layer: int, x: torch.Tensor, state: list[torch.Tensor],
+                 trail: list | None = None) -> torch.Tensor:
         """trail: the KV cache's recorder for this layer (models/kv.py) while a rollback mark is set;
         the chunk leaves its recurrence inputs there so the state can be replayed to any prefix."""
-        p, T = f"blk.{layer}.", x.shape[0]
+        lw, T = self.layers[layer], x.shape[0]
         hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
-        mixed, z, b, a = self.project(p, x)
-        conv_w = self.w.dense(p + "ssm_conv1d.weight")
+        mixed, z, b, a = self.project(lw, x)
+        conv_w = lw["ssm_conv1d.weight"]
         conv_in = mixed
         mixed = causal_conv(mixed, state[0], conv_w.reshape(conv_w.shape[0], -1))
         q, k, v = mixed.split((hk * dk, hk * dk, hv * dv), dim=-1)
@@ -115,11 +117,11 @@ class DeltaNetMixer:
             r = hv // hk
             q, k = ((q.repeat(1, r, 1), k.repeat(1, r, 1)) if self.tiled
                     else (q.repeat_interleave(r, 1), k.repeat_interleave(r, 1)))    # [T, Hv, Dk]
-        g = self.decay_rate(layer) * F.softplus(a + self.w.dense(p + "ssm_dt.bias"))
+        g = self.decay_rate(layer) * F.softplus(a + lw["ssm_dt.bias"])
         v, beta = v.reshape(T, hv, dv), torch.sigmoid(b)
         o = gated_delta_rule(q, k, v, g, beta, state[1])
         if trail is not None:
             trail.append((T, lambda st, m: replay(st, conv_in[:m], q[:m], k[:m], v[:m], g[:m], beta[:m])))
-        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.w.dense(p + "ssm_norm.weight")
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * lw["ssm_norm.weight"]
         o = (o * F.silu(z)).reshape(T, hv * dv)
-        return linear(o, self.w.packed(p + "ssm_out.weight")).float()
+        return linear(o, lw["ssm_out.weight"]).float()

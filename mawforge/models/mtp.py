@@ -143,15 +143,15 @@ class MtpMixin:
     def _common_expert(self, layer: int, kind: str, e: int) -> quants.PackedWeight | None:
         """One expert of a common expert tensor: per-expert blk.L.ffn_{kind}.E, or a row slice of
         the 3-D blk.L.ffn_{kind}_exps (dequantized once for codecs that reorder rows)."""
-        per, fused = f"blk.{layer}.ffn_{kind}.{e}.weight", f"blk.{layer}.ffn_{kind}_exps.weight"
-        if self.w.has(per):
-            return self.w.packed(per)
-        if not self.w.has(fused):
+        lw, per, fused = self.layers[layer], f"ffn_{kind}.{e}.weight", f"ffn_{kind}_exps.weight"
+        if per in lw:
+            return lw[per]
+        if fused not in lw:
             return None
         cache = self.__dict__.setdefault("_mtp_expert_w", {})
         key = (layer, kind, e)
         if key not in cache:
-            w, (E, N, K) = self.w.packed(fused), self.w.records[fused].shape
+            w, (E, N, K) = lw[fused], self.w.records[f"blk.{layer}.{fused}"].shape
             if w.codec in _ROW_CODECS:
                 parts = {name: t[e * N:(e + 1) * N] for name, t in w.parts.items()}
                 cache[key] = quants.PackedWeight(w.codec, w.ggml_type, (N, K), parts)

@@ -3,12 +3,13 @@ parametrized over it (as transformers' CausalLMModelTester: one row of class att
 model, one shared mixin of tests).
 
 How to add a row (a new architecture `foo`):
-  1. Give your fixture module (mawforge/fixtures/...) `build_hf(arch, out_dir, **kw)`,
-     `write_gguf(hf_dir, out_path, ftype)`, a transformers `load_hf(hf_dir)` and, if the
-     architecture has MTP, `add_mtp(hf_dir, model) -> modules` ("layer", "enorm", "hnorm",
-     "norm", and "fc" or "eh_proj": test_mtp_shared's reference step); register it once in
-     api.BUILDERS (the one file that imports MawForge).
-  2. Append `ArchCase("foo", builder="yours", ggufs=(...), llama=(Llama("F32"), ...), ...)` to
+  1. Write the architecture's fixture module, mawforge/fixtures/archs/<package name>.py (the
+     name of its package in mawforge/archs/; the harness finds it by the row's HF model type):
+     `build_hf(model_type, out_dir, **flags)`, `write_gguf(hf_dir, out_path, ftype)`, a
+     transformers `load_hf(hf_dir)` and `add_mtp(hf_dir, model) -> modules` ("layer", "enorm",
+     "hnorm", "norm", and "fc" or "eh_proj": test_mtp_shared's reference step), or
+     `add_mtp = None` without MTP.
+  2. Append `ArchCase("foo", ggufs=(...), llama=(Llama("F32"), ...), ...)` to
      CASES below (llama=() where the vendored llama.cpp lacks the arch; the fields are
      described where ArchCase declares them). Tolerances come from tests/bounds.py only; a
      llama.cpp min_top1 below 1.0 needs its measurement in a comment.
@@ -16,7 +17,7 @@ How to add a row (a new architecture `foo`):
      your family has go in tests/conformance/test_family_<name>.py.
 
 Source names: "hf" (HF directory, the hub's per-expert layout), "hf_fused" (transformers 5.x
-fused experts, "tiny" rows), "hf_<flag>" (build_hf(arch, dir, <flag>=True), its own transformers
+fused experts: build_hf(..., fused=True)), "hf_<flag>" (build_hf(arch, dir, <flag>=True), its own transformers
 reference: "hf_yarn"), a GGUF ftype ("F32", "Q8_0", ...); "mtp:<source>" is the
 same built from an HF directory that carries an MTP layer. GGUFs are written from "hf".
 """
@@ -55,7 +56,6 @@ class Llama:
 @dataclass(frozen=True)
 class ArchCase:
     arch: str                                   # HF model_type, the registry key
-    builder: str                                # api.BUILDERS key: the fixture module that makes it
     hf: tuple[str, ...] = ("hf",)               # HF directory sources
     ggufs: tuple[str, ...] = ("F32",)           # GGUF ftypes written from "hf"
     logits: tuple[str, ...] = ("hf", "F32")     # packs whose float32 logits equal transformers' within logits_atol
@@ -79,32 +79,32 @@ _BASE_LLAMA = (Llama("F32"), Llama("F16"), Llama("Q8_0", 0.95, self_check=True),
                Llama("Q4_K_M", 0.95, ("exact", "int4pack"), self_check=True))
 
 CASES: tuple[ArchCase, ...] = (
-    # the four original archs (mawforge/fixtures/tiny.py, built once per session by tests/conftest.py)
-    *(ArchCase(a, "tiny", hf=("hf", "hf_fused"), ggufs=("F32", "F16", "Q8_0", "Q4_K_M"),
+    # the four original archs (their fixture modules build on mawforge/fixtures/tiny.py)
+    *(ArchCase(a, hf=("hf", "hf_fused"), ggufs=("F32", "F16", "Q8_0", "Q4_K_M"),
                logits=("hf", "hf_fused", "F32"), llama=_BASE_LLAMA, llama_tokens=LONG_TOKENS,
                transparent=("Q4_K_M",)) for a in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")),
     # DeepSeek V2/V3 (MLA, grouped routing, dense first layer) and GPT-OSS (sinks, sliding window,
     # MXFP4). Measured top-1 vs llama.cpp on DS_OSS_TOKENS: F32 1.00; Q8_0 and MXFP4 0.95 (llama.cpp
     # quantizes activations), bound 0.9 (on TOKENS, 2026-12-01: DeepSeek-V3 Q8_0 0.925, MXFP4 1.00).
-    ArchCase("deepseek_v3", "ds_oss", hf=("hf", "hf_yarn"), ggufs=("F32", "Q8_0"), logits=("hf", "hf_yarn", "F32"),
+    ArchCase("deepseek_v3", hf=("hf", "hf_yarn"), ggufs=("F32", "Q8_0"), logits=("hf", "hf_yarn", "F32"),
              llama=(Llama("F32"), Llama("Q8_0", 0.9)), llama_tokens=DS_OSS_TOKENS, transparent=("hf",),
              plan_source="hf", dense_layers=(0,), mtp=("mtp:hf", "mtp:F32", "mtp:Q8_0"),
              mtp_greedy=("mtp:hf", "mtp:Q8_0")),
-    ArchCase("deepseek_v2", "ds_oss", logits=("hf",), ggufs=(), llama_f32_atol=None, transparent=("hf",),
+    ArchCase("deepseek_v2", logits=("hf",), ggufs=(), llama_f32_atol=None, transparent=("hf",),
              plan_source="hf", dense_layers=(0,)),
     # GGUF F32 differs from HF by YaRN truncation (test_family_deepseek_gptoss), so only "hf" is exact
-    ArchCase("gpt_oss", "ds_oss", ggufs=("F32", "MXFP4"), logits=("hf",), llama=(Llama("F32"), Llama("MXFP4", 0.9)),
+    ArchCase("gpt_oss", ggufs=("F32", "MXFP4"), logits=("hf",), llama=(Llama("F32"), Llama("MXFP4", 0.9)),
              llama_tokens=DS_OSS_TOKENS, transparent=("MXFP4",), plan_source="hf"),
     # Qwen3.5-MoE (gated delta-net hybrid, MTP) and Gemma 4 MoE. Measured top-1 vs llama.cpp on
     # these 40 positions: F32 40/40 both; Q8_0 qwen3_5_moe 39/40, gemma4 40/40.
-    ArchCase("qwen3_5_moe", "q35_gemma4", ggufs=("F32", "Q8_0"), llama=(Llama("F32"), Llama("Q8_0", 0.95)),
+    ArchCase("qwen3_5_moe", ggufs=("F32", "Q8_0"), llama=(Llama("F32"), Llama("Q8_0", 0.95)),
              transparent=("Q8_0",), mtp=("mtp:hf", "mtp:F32", "mtp:Q8_0"), mtp_greedy=("mtp:hf",), recurrent=True),
-    ArchCase("gemma4", "q35_gemma4", ggufs=("F32", "Q8_0"), llama=(Llama("F32"), Llama("Q8_0", 0.95)),
+    ArchCase("gemma4", ggufs=("F32", "Q8_0"), llama=(Llama("F32"), Llama("Q8_0", 0.95)),
              transparent=("Q8_0",)),
     # GLM-4.5/4.6 MoE (grouped sigmoid routing, dense first layer, shared expert, partial RoPE, MTP).
     # Measured top-1 vs llama.cpp on these 40 positions: F32 40/40, Q8_0 40/40 (bound 0.95 as the others).
     # hf_air: GLM-4.5-Air's attention (no q/k norm).
-    ArchCase("glm4_moe", "glm4moe", hf=("hf", "hf_fused", "hf_air"), logits=("hf", "hf_fused", "hf_air", "F32"),
+    ArchCase("glm4_moe", hf=("hf", "hf_fused", "hf_air"), logits=("hf", "hf_fused", "hf_air", "F32"),
              ggufs=("F32", "Q8_0"), llama=(Llama("F32"), Llama("Q8_0", 0.95)),
              transparent=("hf", "Q8_0"), plan_source="hf", dense_layers=(0,),
              mtp=("mtp:hf", "mtp:F32", "mtp:Q8_0"), mtp_greedy=("mtp:hf", "mtp:Q8_0")),
@@ -112,12 +112,12 @@ CASES: tuple[ArchCase, ...] = (
     # chunked attention + NoPE layers; llama.cpp's fixed chunk 8192; hf_short_chunk: chunk 5 and
     # temperature floor 3, acting within the prompt). Measured max |diff| vs transformers 1.7e-6
     # (hf, hf_short_chunk), 1.4e-6 (F32); top-1 vs llama.cpp on these 40 positions: F32 40/40, Q8_0 40/40.
-    ArchCase("llama4_text", "llama4", hf=("hf", "hf_short_chunk"), ggufs=("F32", "Q8_0"),
+    ArchCase("llama4_text", hf=("hf", "hf_short_chunk"), ggufs=("F32", "Q8_0"),
              logits=("hf", "hf_short_chunk", "F32"), llama=(Llama("F32"), Llama("Q8_0", 0.95)),
              transparent=("hf", "Q8_0"), plan_source="hf", dense_layers=(0, 2)),
-    # Qwen3-Next (mawforge/fixtures/family_qwen3next.py): Qwen3.5's hybrid with fused qkvz/ba
+    # Qwen3-Next (mawforge/fixtures/archs/qwen3next.py): Qwen3.5's hybrid with fused qkvz/ba
     # delta-net projections. Measured top-1 vs llama.cpp on these 40 positions: F32 40/40, Q8_0 40/40.
-    ArchCase("qwen3_next", "qwen3next", ggufs=("F32", "Q8_0"), llama=(Llama("F32"), Llama("Q8_0", 0.95)),
+    ArchCase("qwen3_next", ggufs=("F32", "Q8_0"), llama=(Llama("F32"), Llama("Q8_0", 0.95)),
              transparent=("Q8_0",), mtp=("mtp:hf", "mtp:F32", "mtp:Q8_0"), mtp_greedy=("mtp:hf",), recurrent=True),
 )
 

@@ -12,11 +12,11 @@ from .cases import BY_ARCH, TOKENS, ArchCase
 
 
 class Sources:
-    """Lazily built sources of the table's rows. The four "tiny" archs come from the session
-    fixtures of tests/conftest.py (shared with the rest of the suite); the others are built here."""
+    """Lazily built sources of the table's rows, each by its architecture's fixture module
+    (mawforge/fixtures/archs/<name>.py, found by the row's HF model type)."""
 
-    def __init__(self, root: Path, fixtures_root_fn, packs_fn):
-        self.root, self._fixtures_root, self._packs = root, fixtures_root_fn, packs_fn
+    def __init__(self, root: Path):
+        self.root = root
         self._made: dict = {}
         self._hf_logits: dict = {}
         self._llama: dict = {}
@@ -28,10 +28,7 @@ class Sources:
 
     def path(self, case: ArchCase, source: str) -> Path:
         """The HF directory or GGUF file of one source."""
-        if case.builder == "tiny":
-            fx = self._fixtures_root()[case.arch]
-            return fx[source] if source.startswith("hf") else fx["gguf"][source]
-        b = api.BUILDERS[case.builder]
+        b = api.fixture(case.arch)
         if source.startswith("mtp:"):
             hf = self.mtp(case)[0]
             src = source[4:]
@@ -48,8 +45,6 @@ class Sources:
         return self._once((case.arch, source), lambda: b.write_gguf(hf, out, source))
 
     def pack(self, case: ArchCase, source: str, layout: str = "exact") -> Path:
-        if case.builder == "tiny":
-            return self._packs()[(case.arch, source, layout)]
         src = self.path(case, source)
         out = self.root / f"pack-{case.arch}-{source.replace(':', '-')}-{layout}"
         return self._once(("pack", case.arch, source, layout),
@@ -58,7 +53,7 @@ class Sources:
     def mtp(self, case: ArchCase):
         """(HF directory with an MTP layer, the transformers model, the MTP layer's modules)."""
         def make():
-            b = api.BUILDERS[case.builder]
+            b = api.fixture(case.arch)
             hf = b.build_hf(case.arch, self.root / f"{case.arch}-hf-mtp")
             model = b.load_hf(hf)
             return hf, model, b.add_mtp(hf, model)
@@ -70,7 +65,7 @@ class Sources:
         tokens = TOKENS if tokens is None else tuple(tokens)
         key = (case.arch, ref, tokens)
         if key not in self._hf_logits:
-            model = api.BUILDERS[case.builder].load_hf(self.path(case, ref))
+            model = api.fixture(case.arch).load_hf(self.path(case, ref))
             with torch.no_grad():
                 self._hf_logits[key] = model(torch.tensor([list(tokens)])).logits[0].float()
         return self._hf_logits[key]
@@ -84,9 +79,8 @@ class Sources:
 
 
 @pytest.fixture(scope="session")
-def sources(tmp_path_factory, request) -> Sources:
-    return Sources(tmp_path_factory.mktemp("conformance"), lambda: request.getfixturevalue("fixtures_root"),
-                   lambda: request.getfixturevalue("packs"))
+def sources(tmp_path_factory) -> Sources:
+    return Sources(tmp_path_factory.mktemp("conformance"))
 
 
 @pytest.fixture

@@ -46,7 +46,8 @@ def test_gptoss_expert_blocks_carry_biases(sources):
         if source == "MXFP4":
             w = {t.name: t for t in lb.tensors}
             assert w["gate"].qtype == "MXFP4" and w["gate"].codec == "ggml"
-            assert w["gate"].nbytes == 64 * (api.ds_oss.HIDDEN // 32) * 17      # F rows of H/32 MXFP4 blocks
+            hidden = api.fixture("gpt_oss").HIDDEN
+            assert w["gate"].nbytes == 64 * (hidden // 32) * 17      # F rows of H/32 MXFP4 blocks
 
 
 def test_hf_mxfp4_checkpoint_is_refused_with_advice(sources, tmp_path):

@@ -25,13 +25,14 @@ def test_hf_and_gguf_read_the_same_config(sources):
     assert b.pop("norm_eps") == pytest.approx(a.pop("norm_eps"), rel=1e-7)      # GGUF stores float32
     assert a == b
     x = a["extra"]
-    assert x["dense_layers"] == list(GLM.dense_layers) and x["rope_dim"] == api.glm4moe.HEAD_DIM // 2
+    assert x["dense_layers"] == list(GLM.dense_layers) and x["rope_dim"] == api.fixture("glm4_moe").HEAD_DIM // 2
     assert x["router"] == {"groups": 4, "groups_used": 2, "scale": 2.5}
     assert a["shared_ff"] == 64 and a["qkv_bias"] and a["norm_topk_prob"]
 
 
 def test_mrope_conversion_is_refused(sources, tmp_path):
     """A GLM-4.5V conversion carries M-RoPE sections; refused naming them, not run as plain RoPE."""
-    path = api.glm4moe.write_gguf(sources.path(GLM, "hf"), tmp_path / "v.gguf", "F32", mrope_sections=[8, 4, 4, 0])
+    path = api.fixture("glm4_moe").write_gguf(sources.path(GLM, "hf"), tmp_path / "v.gguf", "F32",
+                                              mrope_sections=[8, 4, 4, 0])
     with pytest.raises(api.UnsupportedError, match="M-RoPE"):
         api.open_source(path)

@@ -122,9 +122,9 @@ def test_readers_agree_and_follow_llama_cpp(sources):
         api.from_gguf_metadata(meta | {"llama4.attention.sliding_window": 0}, 100)
     # as the released config.json: text model nested, derived lists absent (no_rope_layers empty),
     # RoPE under the older rope_scaling / rope_theta keys, attn_temperature_tuning an int
-    raw = {k: v for k, v in api.llama4.make_config().to_dict().items()
+    raw = {k: v for k, v in api.fixture("llama4_text").make_config().to_dict().items()
            if k not in ("moe_layers", "layer_types", "rope_parameters")}
-    rope = api.llama4.ROPE
+    rope = api.fixture("llama4_text").ROPE
     raw |= {"no_rope_layers": [], "attn_temperature_tuning": 4, "rope_theta": rope["rope_theta"],
             "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"}}
     m = api.from_hf_config({"model_type": "llama4", "text_config": raw})

@@ -25,7 +25,7 @@ def test_legacy_fused_gguf_matches_transformers_and_llama_cpp(sources, tmp_path)
     """ssm_in (HF in_proj_qkvz unchanged) instead of attn_qkv + attn_gate: llama.cpp reads both,
     and so does models/deltanet.py. Measured: 2.2e-6 from transformers, top-1 40/40 and
     max |diff| 5.2e-4 against llama.cpp."""
-    gguf = api.BUILDERS["qwen3next"].write_gguf(sources.path(Q3N, "hf"), tmp_path / "legacy.gguf", "F32", legacy=True)
+    gguf = api.fixture("qwen3_next").write_gguf(sources.path(Q3N, "hf"), tmp_path / "legacy.gguf", "F32", legacy=True)
     api.pack(gguf, tmp_path / "pack", progress=False)
     assert "blk.0.ssm_in.weight" in {r.name for r in api.read_manifest(tmp_path / "pack").common}
     got = logits(tmp_path / "pack", TOKENS)

@@ -1,4 +1,5 @@
-"""The four original archs (qwen3_moe, qwen2_moe, mixtral, olmoe; mawforge/fixtures/tiny.py):
+"""The four original archs (qwen3_moe, qwen2_moe, mixtral, olmoe; their fixtures build on
+mawforge/fixtures/tiny.py):
 quantized packs against transformers running the GGUF's own dequantized weights."""
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from . import api
 from .cases import TOKENS, rows
 from .runtime_helpers import logits
 
-TINY = rows(lambda c: c.builder == "tiny")
+TINY = rows(lambda c: c.arch in api.TINY_ARCHS)
 _ref_cache: dict = {}
 
 
@@ -22,7 +23,7 @@ def _dequantized_reference(sources, case, ftype) -> torch.Tensor:
     from gguf import GGUFReader
     from gguf import quants as gq
 
-    model = api.tiny.load_hf(sources.path(case, "hf"))
+    model = api.fixture(case.arch).load_hf(sources.path(case, "hf"))
     reader = GGUFReader(sources.path(case, ftype))
     t = {x.name: np.asarray(gq.dequantize(x.data, x.tensor_type), dtype=np.float32).reshape(
         tuple(reversed([int(d) for d in x.shape]))) for x in reader.tensors}

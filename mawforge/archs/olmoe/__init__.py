@@ -6,15 +6,6 @@ from mawforge.archs.qwen3moe import required
 from mawforge.archs.spec import Arch
 
 
-def model() -> type:
-    # the whole-projection q/k RMSNorm is the shared `qk_norm` hook's "full" kind (cfg.qk_norm)
-    from mawforge.models.base import MoETransformer
-
-    class Olmoe(MoETransformer):
-        pass
-
-    return Olmoe
-
-
-ARCH = Arch("olmoe", ("olmoe",), model, order=3, required=required,
+ARCH = Arch("olmoe", ("olmoe",), f"{__name__}.model:Olmoe",
+            order=3, required=required,
             defaults=dict(qk_norm="full", norm_topk_prob=False, rope_layout="neox"))

@@ -67,13 +67,6 @@ def required(cfg, layer: int) -> tuple:
     return ("attn_norm.weight", "post_attention_norm.weight", "ffn_gate_inp.weight", "ssm_ba.weight", "ssm_out.weight")
 
 
-def model() -> type:
-    """Qwen3.5's model class: its delta-net (models/deltanet.py) reads the fused projections."""
-    class Qwen3Next(q35.model()):
-        pass
-
-    return Qwen3Next
-
-
-ARCH = Arch("qwen3next", ("qwen3_next",), model, order=9, args=Args, read_hf=read_hf, read_gguf=read_gguf,
+ARCH = Arch("qwen3next", ("qwen3_next",), f"{__name__}.model:Qwen3Next",
+            order=9, args=Args, read_hf=read_hf, read_gguf=read_gguf,
             hf_names=HF_NAMES, dense=q35.DENSE, required=required, defaults=dict(q35.ARCH.defaults))

@@ -16,14 +16,6 @@ def required(cfg, layer: int) -> tuple:
     return ATTN + ("ffn_norm.weight", "ffn_gate_inp.weight")
 
 
-def model() -> type:
-    from mawforge.models.base import MoETransformer
-
-    class Mixtral(MoETransformer):
-        pass
-
-    return Mixtral
-
-
-ARCH = Arch("mixtral", ("mixtral",), model, order=2, read_gguf=read_gguf, gguf_aliases=("llama",),
+ARCH = Arch("mixtral", ("mixtral",), f"{__name__}.model:Mixtral",
+            order=2, read_gguf=read_gguf, gguf_aliases=("llama",),
             required=required, defaults=dict(qk_norm="none", norm_topk_prob=True, rope_layout="neox"))

@@ -1,8 +1,9 @@
 """Qwen3-MoE (HF `qwen3_moe`, GGUF `qwen3moe`): per-head RMSNorm on q and k before RoPE,
 softmax router with renormalized top-k, no shared expert.
 
-The template for a new architecture: copy this file, rename, and override only the hooks that
-differ (see mawforge/models/base.py MoETransformer and CONTRIBUTING.md).
+The template for a new architecture: copy this package (the facts here, the model class in
+model.py), rename, and override only the hooks that differ (see mawforge/models/base.py
+MoETransformer and CONTRIBUTING.md).
 """
 from __future__ import annotations
 
@@ -16,16 +17,6 @@ def required(cfg, layer: int) -> tuple:
     return ATTN + ("ffn_norm.weight", "ffn_gate_inp.weight", "attn_q_norm.weight", "attn_k_norm.weight")
 
 
-def model() -> type:
-    """The model class; torch and the model code load here, not when the registry is read.
-    The per-head q/k RMSNorm is the shared `qk_norm` hook's "head" kind (cfg.qk_norm below)."""
-    from mawforge.models.base import MoETransformer
-
-    class Qwen3Moe(MoETransformer):
-        pass
-
-    return Qwen3Moe
-
-
-ARCH = Arch("qwen3moe", ("qwen3_moe",), model, order=0, required=required,
+ARCH = Arch("qwen3moe", ("qwen3_moe",), f"{__name__}.model:Qwen3Moe",
+            order=0, required=required,
             defaults=dict(qk_norm="head", norm_topk_prob=True, rope_layout="neox"))
