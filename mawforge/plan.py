@@ -206,15 +206,18 @@ class Plan:
 
     def table(self) -> str:
         g = lambda n: f"{n / GiB:9.4f} GiB  ({n:,} B)"
-        rows = [("C  resident common", g(self.C)), ("E  expert cache", g(self.E) + f"  {self.cache_percent:.1f}% [{self.cache_source}]"),
+        rows = [("C  resident common", g(self.C)),
+                ("E  expert cache", g(self.E) + f"  {self.cache_percent:.1f}% [{self.cache_source}]"),
                 ("K  KV cache", g(self.K) + f"  context {self.context}, {self.kv_dtype}"),
                 ("P  prompt cache", g(self.P) + f"  [{self.prompt_cache_source}]"),
                 ("L  = C + E + K + P", g(self.L)), ("O  runtime overhead", g(self.O)), ("F  = L + O", g(self.F)),
                 ("budget", g(self.budget_bytes) + f"  [{self.budget_source}]" if self.budget_bytes else "none given"),
                 ("min expert cache", g(self.min_cache_bytes) + "  (one layer's top-k blocks)"),
-                ("largest feasible cache", f"{self.max_cache_percent:.1f}%" if self.max_cache_percent is not None else "n/a"),
+                ("largest feasible cache",
+                 f"{self.max_cache_percent:.1f}%" if self.max_cache_percent is not None else "n/a"),
                 ("longest feasible context", str(self.max_context) if self.max_context is not None else "n/a"),
-                ("decision", ("FEASIBLE" if self.feasible else "REJECTED") + (f": {self.reason}" if self.reason else ""))]
+                ("decision",
+                 ("FEASIBLE" if self.feasible else "REJECTED") + (f": {self.reason}" if self.reason else ""))]
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
@@ -239,7 +242,8 @@ def make_plan(f: PackFacts, *, memory_budget_gib: float | None = None, context: 
         raise FormatError(f"--prompt-cache-gib must be 0 (off) or positive, got {prompt_cache_gib}")
     kvd = kv_dtype_for(f, kv_dtype)
     C = f.common_file_bytes - (f.embedding_bytes if stream_embeddings else 0) + f.dense_copy_bytes
-    K, O = kv_bytes(f, context, kvd), overhead_bytes(f, context, prefill_chunk, framework_bytes, prefill_wave) + extra_overhead_bytes
+    K, O = kv_bytes(f, context, kvd), (overhead_bytes(f, context, prefill_chunk, framework_bytes, prefill_wave)
+                                       + extra_overhead_bytes)
     budget = int(memory_budget_gib * GiB) if memory_budget_gib is not None else None
     total = f.expert_bytes
     if expert_cache_gib is not None:
@@ -247,7 +251,8 @@ def make_plan(f: PackFacts, *, memory_budget_gib: float | None = None, context: 
     elif expert_cache_percent is not None:
         E, src = int(total * expert_cache_percent / 100), "--expert-cache-percent"
     else:
-        E, src = None, "largest cache that fits F in the budget" if budget is not None else "default: 100% (no budget given)"
+        E, src = None, ("largest cache that fits F in the budget" if budget is not None
+                        else "default: 100% (no budget given)")
     if prompt_cache_gib is not None:
         P, psrc = int(prompt_cache_gib * GiB), "--prompt-cache-gib" if prompt_cache_gib else "off"
     else:
@@ -286,7 +291,8 @@ def add_budget_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-cache-percent", type=float, help="expert cache as %% of all routed expert bytes")
     g.add_argument("--expert-cache-gib", type=float, help="expert cache size in GiB")
     p.add_argument("--stream-embeddings", action="store_true", help="read token-embedding rows from the pack on demand")
-    p.add_argument("--kv-dtype", choices=tuple(DTYPE_BYTES), help="KV cache dtype (default: float32 for F32 packs, else float16 as llama.cpp)")
+    p.add_argument("--kv-dtype", choices=tuple(DTYPE_BYTES),
+                   help="KV cache dtype (default: float32 for F32 packs, else float16 as llama.cpp)")
     p.add_argument("--prompt-cache-gib", type=float, default=None,
                    help="bytes of saved prompts whose prefix a later request reuses (0: off; default: auto, "
                         f"{PROMPT_CACHE_CONTEXTS} full contexts, under a budget at most "
@@ -327,7 +333,8 @@ class PairPlan:
                 ("draft L  = C + E + K", g(d.L)), ("L  target L + draft L", g(self.L)),
                 ("F  = L + O (O shared)", g(self.F)),
                 ("budget", g(self.budget_bytes) if self.budget_bytes is not None else "none given"),
-                ("decision", ("FEASIBLE" if self.feasible else "REJECTED") + (f": {self.reason}" if self.reason else ""))]
+                ("decision",
+                 ("FEASIBLE" if self.feasible else "REJECTED") + (f": {self.reason}" if self.reason else ""))]
         w = max(len(k) for k, _ in rows)
         return self.target.table() + "\n\n" + "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 

@@ -79,7 +79,8 @@ class Telemetry:
     prefill_read_bytes: int = 0         # expert bytes read from the pack during prefill
     prefill_needed_bytes: int = 0       # bytes of the distinct blocks the prompt routed to
     compute_threads: dict = field(default_factory=dict)   # the thread governor's state (engine/threads.py)
-    prefetch: dict = field(default_factory=dict)  # prefetch mode; under auto its state and switches (engine/prefetch_auto.py)
+    # prefetch mode; under auto its state and switches (engine/prefetch_auto.py)
+    prefetch: dict = field(default_factory=dict)
     expert_cache_bytes: int = 0         # the cache's budget E
     expert_cache_held_bytes: int = 0    # slot bytes actually held
     kv_cache_bytes: int = 0

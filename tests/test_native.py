@@ -123,7 +123,8 @@ def test_moe_ffn_equals_the_experts_one_by_one(types, m):
     for i, (g, u, d) in enumerate(experts):
         for t in range(m):
             if wts[i, t]:
-                h = torch.nn.functional.silu(native.gemm(x[t:t + 1], g, types[0], f, c)) * native.gemm(x[t:t + 1], u, types[1], f, c)
+                h = (torch.nn.functional.silu(native.gemm(x[t:t + 1], g, types[0], f, c))
+                     * native.gemm(x[t:t + 1], u, types[1], f, c))
                 want[t] += wts[i, t] * native.gemm(h, d, types[2], c, f)[0]
     torch.testing.assert_close(out, want, rtol=NATIVE_REORDER_RTOL, atol=NATIVE_REORDER_RTOL * want.abs().max().item())
 
@@ -135,7 +136,8 @@ def test_moe_ffn_reads_gate_and_up_as_halves_of_a_fused_gate_up():
     gate_up = torch.cat((g, u))
     x = torch.randn(2, c)
     wts = np.ones((1, 2), np.float32)
-    split, fused = native.ExpertBatch((T.Q4_K, T.Q4_K, T.Q6_K), f, c), native.ExpertBatch((T.Q4_K, T.Q4_K, T.Q6_K), f, c)
+    split, fused = (native.ExpertBatch((T.Q4_K, T.Q4_K, T.Q6_K), f, c),
+                    native.ExpertBatch((T.Q4_K, T.Q4_K, T.Q6_K), f, c))
     split.add(g.data_ptr(), u.data_ptr(), d.data_ptr())
     fused.add(gate_up.data_ptr(), gate_up[f:].data_ptr(), d.data_ptr())
     a, b = torch.zeros(2, c), torch.zeros(2, c)
@@ -163,7 +165,8 @@ def test_scalar_build_computes_the_same_integers(tmp_path):
     for qt in TYPES:
         scalar = torch.load(tmp_path / f"{qt.name}.out")
         simd = native.gemm(x, raw[qt], qt, 64, 512)
-        torch.testing.assert_close(scalar, simd, rtol=NATIVE_REORDER_RTOL, atol=NATIVE_REORDER_RTOL * simd.abs().max().item())
+        torch.testing.assert_close(scalar, simd, rtol=NATIVE_REORDER_RTOL,
+                                   atol=NATIVE_REORDER_RTOL * simd.abs().max().item())
 
 
 @needs_avx2
@@ -244,7 +247,8 @@ def test_native_swiglu_types_accepts_only_ggml_blocks_it_can_run():
     assert cpu.native_swiglu_types(parts, 1) == (T.Q4_K, T.Q4_K, T.Q6_K)
     assert cpu.native_swiglu_types(parts, cpu.NATIVE_MAX_M + 1) is None
     f32 = quants.get_codec("f32")
-    dense = f32.view(torch.zeros(256 * 256 * 4, dtype=torch.uint8), [0], f32.parts(T.F32, (256, 256)), T.F32, (256, 256))
+    dense = f32.view(torch.zeros(256 * 256 * 4, dtype=torch.uint8), [0], f32.parts(T.F32, (256, 256)), T.F32,
+                     (256, 256))
     assert cpu.native_swiglu_types({**parts, "down": dense}, 1) is None
 
 

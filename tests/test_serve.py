@@ -263,8 +263,8 @@ def test_full_queue_answers_429_with_retry_after(gated):
     def post(name):
         # ignore_eos: a first token that ends the answer would return it before the gate opens
         # and let the next request start at once (a rare flake, never queued)
-        results[name] = httpx.post(s.url + "/v1/completions", json={"prompt": name, "max_tokens": 2, "ignore_eos": True},
-                                   timeout=60)
+        results[name] = httpx.post(s.url + "/v1/completions",
+                                   json={"prompt": name, "max_tokens": 2, "ignore_eos": True}, timeout=60)
 
     a = threading.Thread(target=post, args=("first",))
     a.start()
@@ -288,8 +288,8 @@ def test_shutdown_cancels_in_flight_work_after_the_grace_and_answers_everyone(rt
     s = ServerThread(build_app(rt, MODEL, telemetry_log=str(log), generate_fn=gate.generate), grace_s=0.2).start()
 
     def post(name):
-        results[name] = httpx.post(s.url + "/v1/completions", json={"prompt": name, "max_tokens": 50, "ignore_eos": True},
-                                   timeout=60)
+        results[name] = httpx.post(s.url + "/v1/completions",
+                                   json={"prompt": name, "max_tokens": 50, "ignore_eos": True}, timeout=60)
 
     threads = [threading.Thread(target=post, args=(n,)) for n in ("running", "queued")]
     threads[0].start()
@@ -388,7 +388,8 @@ def test_per_request_speculation_keeps_greedy_output_and_reports_it(server, clie
     # must reach the speculator and its accounting must add up step by step.
     steps = tel["steps"]
     assert tel["mode"] == "ngram" and len(steps) == tel["verify_steps"] + tel["plain_steps"] >= 1
-    assert tel["drafted"] == sum(st["drafted"] for st in steps) >= tel["accepted"] == sum(st["accepted"] for st in steps)
+    assert (tel["drafted"] == sum(st["drafted"] for st in steps)
+            >= tel["accepted"] == sum(st["accepted"] for st in steps))
     assert tel["verify_steps"] == sum(1 for st in steps if st["drafted"])
     # prefill emits the first token, each step one plus its accepted drafts
     assert 1 + sum(1 + st["accepted"] for st in steps) >= spec.usage.completion_tokens

@@ -130,8 +130,10 @@ def test_qwen_xml_calls_follow_the_schema_and_parse_back(tokenizers):
             "days": {"type": "integer", "minimum": 1, "maximum": 9}}}}}, TOOLS[1]]
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     grammar = tool_grammar(fmt, tuple(enumerate(tools)), None, v)
-    cases = [("get_weather", {"city": "New <York>", "days": 3}, True), ("get_weather", {"city": "Zürich", "unit": "°C"}, True),
-             ("search", {"q": "日本 <b>"}, True), ("search", {}, False), ("get_weather", {"city": "Paris", "unit": "K"}, False), ("get_weather", {}, False)]
+    cases = [("get_weather", {"city": "New <York>", "days": 3}, True),
+             ("get_weather", {"city": "Zürich", "unit": "°C"}, True),
+             ("search", {"q": "日本 <b>"}, True), ("search", {}, False),
+             ("get_weather", {"city": "Paris", "unit": "K"}, False), ("get_weather", {}, False)]
     for name, args, ok in cases:
         body = "".join(f"<parameter={k}>\n{v_}\n</parameter>\n" for k, v_ in args.items())
         m = C.compile_grammar(v, grammar)

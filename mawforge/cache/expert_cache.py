@@ -87,7 +87,8 @@ class ExpertCache:
         # per layer, each tensor's (name, make(buf) -> PackedWeight): the views' checks made once
         self._templates = [[(t.name, quants.get_codec(t.codec).view_plan(
                                 self.slot_bytes[layer], [p.offset for p in t.parts],
-                                [quants.PartSpec(p.name, p.dtype, p.shape) for p in t.parts], QT[t.qtype], tuple(t.shape)))
+                                [quants.PartSpec(p.name, p.dtype, p.shape) for p in t.parts], QT[t.qtype],
+                                tuple(t.shape)))
                             for t in lb.tensors] for layer, lb in enumerate(index.layers)]
 
     # ---- accounting shared with replay -----------------------------------------------

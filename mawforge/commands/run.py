@@ -14,7 +14,8 @@ help = "generate once from a pack under a memory budget, with telemetry"
 def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pack", required=True)
     add_budget_arguments(p)
-    p.add_argument("--policy", default="s3fifo", help="expert cache eviction policy: s3fifo (default), s3fifo-classic, lru, lfu, fifo, random:SEED")
+    p.add_argument("--policy", default="s3fifo",
+                   help="expert cache eviction policy: s3fifo (default), s3fifo-classic, lru, lfu, fifo, random:SEED")
     p.add_argument("--prefetch", default="auto",
                    help="auto (default: router lookahead two layers ahead, measured against none by "
                         "wall clock and turned off while it loses), none, or a policy such as confidence:0.2")

@@ -136,7 +136,8 @@ class Runtime:
         return {"mode": self.prefetch_spec or "none", "lookahead": self.lookahead}
 
     def reset(self, keep: int = 0) -> None:
-        """Start a new sequence (keeping the first `keep` positions: the prompt cache's). The thread governor re-measures its other choices in the coming
+        """Start a new sequence (keeping the first `keep` positions: the prompt cache's). The thread
+        governor re-measures its other choices in the coming
         windows: a choice made in one request's phase (a read-heavy prompt, say, where the I/O
         takes a core) need not hold in the next. The prefetch governor keeps its choice across
         requests (whether prefetch pays depends on the model, the budget and the disk, not on

@@ -51,7 +51,8 @@ class Rope:
     def _grow(self, n: int) -> None:
         n = max(n, 2 * self.cos.shape[0], 256)
         if self.yarn:
-            ang = (torch.arange(n, dtype=torch.float64, device=self.device)[:, None] * self.inv_freq[None]).float().double()
+            ang = (torch.arange(n, dtype=torch.float64, device=self.device)[:, None]
+                   * self.inv_freq[None]).float().double()
         else:
             scale = np.power(np.float32(self.base), np.float32(-2.0) / np.float32(self.head_dim), dtype=np.float32)
             theta = np.empty((n, self.half), np.float32)

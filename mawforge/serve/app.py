@@ -6,7 +6,8 @@
     GET  /  and /dashboard/...                           the live dashboard (serve/dashboard.py)
 Every answer carries `usage` and `telemetry` (docs/telemetry.md); every request appends one
 line to --telemetry-log. Which OpenAI fields are supported, ignored or refused: docs/openai-api.md;
-several choices, logprobs and echo are shaped in serve/choices.py. One engine thread serves a bounded FIFO queue (429 when full).
+several choices, logprobs and echo are shaped in serve/choices.py. One engine thread serves a
+bounded FIFO queue (429 when full).
 In-process use (tests, bench):  with ServerThread(build_app(rt, "tiny")) as s: s.url
 """
 from __future__ import annotations

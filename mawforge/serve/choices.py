@@ -127,6 +127,7 @@ class Answer:
         fin["choices"][0]["index"] = i
         out.append(fin)
         if usage_chunk:
-            out.append(P.chunk(kind, rid, created, model, use=P.usage(t.prompt_tokens, t.completion_tokens, t.cached_tokens),
+            out.append(P.chunk(kind, rid, created, model,
+                               use=P.usage(t.prompt_tokens, t.completion_tokens, t.cached_tokens),
                                telemetry=t.to_dict(), choices=False))
         return out

@@ -98,8 +98,9 @@ class ShuttingDown(Exception):
 class Ledger:
     """Counters for /metrics and the JSON-lines telemetry log; safe to call from any thread."""
 
-    COUNTERS = ("prompt_tokens", "cached_tokens", "completion_tokens", "hits", "misses", "evictions", "materialized_bytes",
-                "prefetched_bytes", "prefetch_useful_bytes", "prefetch_wasted_bytes", "embedding_bytes_read")
+    COUNTERS = ("prompt_tokens", "cached_tokens", "completion_tokens", "hits", "misses", "evictions",
+                "materialized_bytes", "prefetched_bytes", "prefetch_useful_bytes", "prefetch_wasted_bytes",
+                "embedding_bytes_read")
 
     def __init__(self, log_path: str | None = None):
         self.lock = threading.Lock()

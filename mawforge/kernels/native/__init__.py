@@ -25,7 +25,8 @@ version and this CPU's feature flags (so a library built on one CPU is never loa
 and loaded with ctypes. `-march=native` first (the AVX2 path where the CPU has it); if the
 compiler rejects that, the portable `-march=x86-64` build (the same integer arithmetic in plain
 C). Where -march=native has AVX-512 BW + VNNI, the four-token K-quant kernels use vpdpwssd on
-512-bit registers (`vnni()`), with the AVX2 code's integer lanes, so the same bits. Every failed attempt is reported once on stderr with the compiler's own message. Where no
+512-bit registers (`vnni()`), with the AVX2 code's integer lanes, so the same bits. Every failed
+attempt is reported once on stderr with the compiler's own message. Where no
 compiler works, or MAWFORGE_NATIVE=0, `available()` is False, `why_unavailable()` says why, and
 the callers keep the torch dequantize-and-multiply path.
 """
@@ -100,7 +101,8 @@ def _compile(cc: str, march: str, cache: Path) -> tuple[Path | None, str]:
     """The cached library for this source, flags, compiler and CPU, compiled if missing.
     Returns (path, "") or (None, the compiler's message)."""
     flags = [*BASE_FLAGS, f"-march={march}"]
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(flags).encode() + _compiler_version(cc).encode()
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(flags).encode()
+                         + _compiler_version(cc).encode()
                          + cpu_flags().encode()).hexdigest()[:16]
     lib = cache / f"kquant_gemm-{key}.so"
     if lib.exists():
@@ -139,7 +141,8 @@ def _build() -> ctypes.CDLL | None:
             lib, err = None, str(e)
         _report(f"build with -march={march} failed:\n{err}")
     else:
-        _why = f"compiling {', '.join(s.name for s in SOURCES)} failed with {cc} (-march={', '.join(MARCHES)}); see the messages above"
+        _why = (f"compiling {', '.join(s.name for s in SOURCES)} failed with {cc} (-march={', '.join(MARCHES)}); "
+                "see the messages above")
         _report(f"{_why}; using the torch dequantize-and-multiply path")
         return None
     for name, args in _SIGNATURES:
