@@ -31,6 +31,9 @@ def tree(rev: str) -> tuple[str, str]:
     if not (path / "mawforge").is_dir():
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(path), sha],
                        check=True, capture_output=True)
+    # compile that tree's native kernels now, so no child's first prompt pays for the compiler
+    subprocess.run([sys.executable, "-c", "from mawforge.kernels import native; assert native.available()"],
+                   check=True, env={**os.environ, "PYTHONPATH": str(path)})
     return sha, str(path)
 
 
