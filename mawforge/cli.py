@@ -9,11 +9,11 @@ from mawforge.errors import MawError
 
 # name -> "module:attr"; attr is a class or module with help, add_arguments(p) and main(args).
 COMMANDS = {
-    "pack": "mawforge.pack.commands:Pack",
-    "inspect": "mawforge.pack.commands:Inspect",
-    "verify": "mawforge.pack.commands:Verify",
+    "pack": "mawforge.commands.pack:Pack",
+    "inspect": "mawforge.commands.pack:Inspect",
+    "verify": "mawforge.commands.pack:Verify",
     "synth": "mawforge.synth:",
-    "plan": "mawforge.plan:",
+    "plan": "mawforge.commands.plan:",
     "run": "mawforge.commands.run:",
     "serve": "mawforge.serve.app:",
     "replay": "mawforge.trace.replay:",

@@ -20,13 +20,11 @@ C + E + K at the same context add to the target's L against the one budget (O is
 """
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mawforge.byte_rules import is_dense, prompt_entry_bytes, round_page, state_bytes
-from mawforge.errors import BudgetRejected, FormatError
+from mawforge.errors import FormatError
 from mawforge.pack.manifest import read_index, read_manifest
 
 GiB = 1 << 30
@@ -284,30 +282,6 @@ def make_plan(f: PackFacts, *, memory_budget_gib: float | None = None, context: 
                 f.pack_digest, P, psrc)
 
 
-def add_budget_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--memory-budget-gib", type=float, help="the memory target L must fit in")
-    p.add_argument("--context", type=int, default=4096, help="KV cache length in tokens")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--expert-cache-percent", type=float, help="expert cache as %% of all routed expert bytes")
-    g.add_argument("--expert-cache-gib", type=float, help="expert cache size in GiB")
-    p.add_argument("--stream-embeddings", action="store_true", help="read token-embedding rows from the pack on demand")
-    p.add_argument("--kv-dtype", choices=tuple(DTYPE_BYTES),
-                   help="KV cache dtype (default: float32 for F32 packs, else float16 as llama.cpp)")
-    p.add_argument("--prompt-cache-gib", type=float, default=None,
-                   help="bytes of saved prompts whose prefix a later request reuses (0: off; default: auto, "
-                        f"{PROMPT_CACHE_CONTEXTS} full contexts, under a budget at most "
-                        f"{PROMPT_CACHE_ROOM_SHARE:.0%} of the expert cache's room; off in `run`)")
-
-
-def plan_from_args(a: argparse.Namespace) -> Plan:
-    return make_plan(PackFacts.from_pack(a.pack), memory_budget_gib=a.memory_budget_gib, context=a.context,
-                     expert_cache_percent=a.expert_cache_percent, expert_cache_gib=a.expert_cache_gib,
-                     stream_embeddings=a.stream_embeddings, kv_dtype=a.kv_dtype,
-                     prompt_cache_gib=getattr(a, "prompt_cache_gib", 0.0))
-
-
-# ---- a draft model beside the target (speculative decoding) --------------------------------
-
 @dataclass(frozen=True)
 class PairPlan:
     """A target and its draft model in one process: their L add up against one budget, and the
@@ -366,32 +340,3 @@ def make_pair_plan(f: PackFacts, draft: PackFacts, *, memory_budget_gib: float |
     tp = make_plan(f, memory_budget_gib=share, budget_source="--memory-budget-gib less the draft's L", **kw)
     budget = None if memory_budget_gib is None else int(memory_budget_gib * GiB)
     return draft_footprint(tp, dp, budget, draft_pack)
-
-
-def pair_plan_from_args(a: argparse.Namespace) -> PairPlan:
-    """For `plan`, `run` and `serve` alike (all take --draft-pack and --draft-cache-percent)."""
-    return make_pair_plan(PackFacts.from_pack(a.pack), PackFacts.from_pack(a.draft_pack),
-                          memory_budget_gib=a.memory_budget_gib, draft_cache_percent=a.draft_cache_percent,
-                          draft_pack=str(a.draft_pack), context=a.context,
-                          expert_cache_percent=a.expert_cache_percent, expert_cache_gib=a.expert_cache_gib,
-                          stream_embeddings=a.stream_embeddings, kv_dtype=a.kv_dtype,
-                          prefill_chunk=getattr(a, "prefill_chunk", 128),
-                          prompt_cache_gib=getattr(a, "prompt_cache_gib", 0.0),
-                          prefill_wave=getattr(a, "prefill_wave", PREFILL_WAVE))
-
-
-help = "say before loading whether a configuration fits a memory budget"
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pack", required=True)
-    add_budget_arguments(p)
-    p.add_argument("--draft-pack", default=None, help="a draft model for speculative decoding: plan the pair")
-    p.add_argument("--draft-cache-percent", type=float, default=100.0, help="the draft pack's expert cache")
-    p.add_argument("--json", action="store_true")
-
-
-def main(a: argparse.Namespace) -> int:
-    plan = pair_plan_from_args(a) if a.draft_pack else plan_from_args(a)
-    print(json.dumps(plan.to_dict(), indent=1) if a.json else plan.table())
-    return 0 if plan.feasible else BudgetRejected.exit_code

@@ -6,7 +6,8 @@ import json
 import os
 import sys
 
-from mawforge.plan import PREFILL_WAVE, add_budget_arguments
+from mawforge.commands.plan import add_budget_arguments
+from mawforge.plan import PREFILL_WAVE
 
 help = "generate once from a pack under a memory budget, with telemetry"
 
@@ -113,14 +114,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--telemetry-json", action="store_true", help="print telemetry as JSON")
-    from mawforge.speculative.decode import add_speculative_arguments
+    from mawforge.commands.speculative import add_speculative_arguments
     add_speculative_arguments(p)
 
 
 def main(a: argparse.Namespace) -> int:
     from mawforge.api import Model
     from mawforge.engine.runtime import Runtime
-    from mawforge.speculative.decode import pair_plan_or_reject, speculator_from_args
+    from mawforge.commands.speculative import pair_plan_or_reject, speculator_from_args
     pair = pair_plan_or_reject(a)          # a draft pack's L is planned beside the target's
     recorder = make_recorder(a)
     rt = Runtime(a.pack, runtime_options(a, pair.draft.L if pair else 0), recorder=recorder)

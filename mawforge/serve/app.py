@@ -31,7 +31,7 @@ from starlette.routing import Route
 from mawforge.text.chat import ChatTemplate
 from mawforge.engine.generate import validate
 from mawforge.commands.run import add_runtime_arguments, make_recorder, runtime_options
-from mawforge.speculative.decode import add_speculative_arguments, speculator_from_args
+from mawforge.commands.speculative import add_speculative_arguments, speculator_from_args
 from mawforge.errors import BudgetRejected, RequestError
 from mawforge.serve import limits
 from mawforge.serve import protocol as P
@@ -349,8 +349,9 @@ def main(a: argparse.Namespace) -> int:
     import signal
 
     from mawforge.engine.runtime import Runtime, plan_for_options
-    from mawforge.speculative.decode import uses_draft_pack
-    from mawforge.plan import PackFacts, framework_in_process, pair_plan_from_args
+    from mawforge.commands.speculative import uses_draft_pack
+    from mawforge.commands.plan import pair_plan_from_args
+    from mawforge.plan import PackFacts, framework_in_process
     opts = runtime_options(a)
     if a.dashboard:                              # its kept route traces are planned in O
         from mawforge.serve.dashboard import kept_trace_bytes

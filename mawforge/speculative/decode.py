@@ -15,7 +15,6 @@ Legend: W verify width (1 + drafts), V vocabulary size.
 """
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import dataclass, replace
 
@@ -27,7 +26,7 @@ from mawforge.engine.runtime import Runtime
 from mawforge.engine.sampling import Sampler, SamplingParams
 from mawforge.speculative.accounting import AutoController, Counterfactual, RouteTap, counters, delta
 from mawforge.errors import BudgetRejected, RequestError
-from mawforge.plan import GiB, PairPlan, draft_footprint, pair_plan_from_args
+from mawforge.plan import GiB, draft_footprint
 
 MODES = ("auto", "off", "ngram", "draft", "mtp")
 clock = time.perf_counter     # the engine-time clock auto compares modes with (tests replace it)
@@ -270,22 +269,6 @@ def check_draft_budget(rt: Runtime, drafter: Drafter) -> None:
         raise BudgetRejected(f"plan rejected with the draft model: {pair.reason}")
 
 
-def uses_draft_pack(a: argparse.Namespace) -> bool:
-    """Whether this command's speculation may load --draft-pack: draft, or auto (which loads it
-    unless the model has MTP layers; the plan then keeps room the draft may not use)."""
-    return bool(a.draft_pack) and a.speculative in ("draft", "auto")
-
-
-def pair_plan_or_reject(a: argparse.Namespace) -> PairPlan | None:
-    """`run`/`serve` with a draft pack: the static plan of target + draft, checked before loading."""
-    if not uses_draft_pack(a):
-        return None
-    pair = pair_plan_from_args(a)
-    if not pair.feasible:
-        raise BudgetRejected(f"plan rejected with the draft model: {pair.reason}")
-    return pair
-
-
 def summary_line(s: dict) -> str:
     g = lambda n: f"{n / 2**20:.1f}MiB"
     line = (f"[speculative] {s['mode']} ({s.get('drafter', '-')}, k={s.get('k', 0)}) | accepted "
@@ -297,18 +280,3 @@ def summary_line(s: dict) -> str:
     if auto:
         line += f" | auto: spec {auto['spec_windows']} / plain {auto['plain_windows']} windows"
     return line
-
-
-def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative", choices=MODES, default="off",
-                   help="speculative decoding: auto (only while measured tok/s beats plain), off, ngram "
-                        "(prompt lookup), draft (--draft-pack), mtp (models with MTP layers)")
-    p.add_argument("--draft-k", type=int, default=4, help="tokens drafted per verify step")
-    p.add_argument("--draft-pack", default=None, help="a smaller pack with the same tokenizer, for --speculative draft")
-    p.add_argument("--draft-cache-percent", type=float, default=100.0, help="the draft pack's expert cache")
-
-
-def speculator_from_args(rt: Runtime, a: argparse.Namespace) -> Speculator | None:
-    opts = SpecOptions(mode=a.speculative, k=a.draft_k, draft_pack=a.draft_pack,
-                       draft_cache_percent=a.draft_cache_percent)
-    return None if opts.mode == "off" else Speculator(rt, opts)
