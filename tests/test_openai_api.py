@@ -144,7 +144,7 @@ def test_models_errors_and_tool_calls_parse_as_openais_types(url, rt, tmp_path):
     try:
         source = (template_dir() / "Qwen-Qwen3-0.6B.jinja").read_text()
     except SdistMissing as e:
-        pytest.skip(f"no chat template with tool calls here: {e}")
+        pytest.skip(f"llama-cpp-python sdist not available (its Qwen3 tool-call template): {e}")
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}]
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
