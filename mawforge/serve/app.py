@@ -43,7 +43,7 @@ from mawforge.serve.dashboard import Board
 from mawforge.serve.metrics import Metrics, prompt_cache_gauges
 from mawforge.serve.responses import ResponsesApi, ResponseStore, add_responses_arguments, store_from_args
 from mawforge.serve.server import ServerThread, _Server, bind  # noqa: F401  (ServerThread: tests and bench import it here)
-from mawforge.serve.worker import Channel, EngineWorker, Failure, Job, Ledger, QueueFull, ShuttingDown
+from mawforge.serve.worker import Channel, EngineWorker, Failure, Job, Ledger, QueueFull, ShuttingDown, watch_disconnect
 from mawforge.telemetry import peak_rss_bytes, rss_bytes
 
 help = "serve a pack over an OpenAI-compatible HTTP API, with per-request telemetry"
@@ -51,15 +51,6 @@ help = "serve a pack over an OpenAI-compatible HTTP API, with per-request teleme
 
 def error_response(e: P.ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-async def _watch_disconnect(request: Request, job: Job) -> None:
-    """The body is read; the next ASGI message can only be the client going away."""
-    while True:
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            job.cancel.set()
-            return
 
 
 class Api:
@@ -207,7 +198,7 @@ class Api:
             msg = f"internal error: {type(e).__name__}: {e}"[:500]
             self.ledger.record(rid, P.ENDPOINTS[kind], 500, error=msg)
             return error_response(P.ApiError(500, msg, type="server_error"))
-        watcher = asyncio.ensure_future(_watch_disconnect(request, job))
+        watcher = asyncio.ensure_future(watch_disconnect(request, job))
         streaming = False
         try:
             first = await job.channel.__anext__()    # wait in the queue; a Failure here is a real status

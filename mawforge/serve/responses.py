@@ -29,7 +29,7 @@ from mawforge.serve.chatreq import Turn, parse_chat_options
 from mawforge.serve.respout import Output, base_response, new_id
 from mawforge.serve.respreq import ResponsesRequest, parse_responses, to_messages
 from mawforge.serve.structured import request_constraint
-from mawforge.serve.worker import Channel, Failure, Job, QueueFull, ShuttingDown
+from mawforge.serve.worker import Channel, Failure, Job, QueueFull, ShuttingDown, watch_disconnect
 
 ENDPOINT = "/v1/responses"
 
@@ -104,13 +104,6 @@ def _error(e: P.ApiError | Failure) -> JSONResponse:
 
 def _sse(ev: dict) -> str:
     return f"event: {ev['type']}\ndata: {json.dumps(ev, separators=(',', ':'))}\n\n"
-
-
-async def _watch_disconnect(request: Request, job: Job) -> None:
-    while True:
-        if (await request.receive())["type"] == "http.disconnect":
-            job.cancel.set()
-            return
 
 
 async def _next_event(job: Job):
@@ -210,7 +203,7 @@ class ResponsesApi:
             ledger.record(rid, ENDPOINT, 500, error=msg)
             return _error(P.ApiError(500, msg, type="server_error"))
         out = Output(rid, base_response(rid, self.api.model_id, pr.rr.echo), pr.turn.parser, pr.rr.summary)
-        watcher = asyncio.ensure_future(_watch_disconnect(request, job))
+        watcher = asyncio.ensure_future(watch_disconnect(request, job))
         streaming = False
         try:
             first = await _next_event(job)            # wait in the queue; a Failure here is a real status

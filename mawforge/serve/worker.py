@@ -269,3 +269,12 @@ class EngineWorker:
                            queue_s=queue_s)
         job.channel.put(f)
         job.channel.put(None)
+
+
+async def watch_disconnect(request, job: Job) -> None:
+    """Once a request's body is read, the next ASGI message can only be the client going away:
+    cancel its job then (the chat, completions and Responses endpoints all watch this way)."""
+    while True:
+        if (await request.receive())["type"] == "http.disconnect":
+            job.cancel.set()
+            return
