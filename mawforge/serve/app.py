@@ -160,6 +160,12 @@ class Api:
         params, spec = self._forced(body, req)
         job = Job(rid, req.endpoint, ids[0], params, Channel(), stream=req.stream, speculative=spec, n=req.n,
                   prompts=ids if len(ids) > 1 else [], processors=procs)
+        self.submit(job)
+        return req, job, turn
+
+    def submit(self, job: Job) -> None:
+        """Queue a job for the engine; a full queue is OpenAI's 429 (with Retry-After), a
+        shutdown a 503 (every endpoint submits through here)."""
         try:
             self.worker.submit(job)
         except QueueFull as e:
@@ -167,7 +173,6 @@ class Api:
                              headers={"Retry-After": str(e.retry_after_s)}) from None
         except ShuttingDown as e:
             raise P.ApiError(503, str(e), type="server_error", code="shutting_down") from None
-        return req, job, turn
 
     def _forced(self, body: dict, req: P.ApiRequest):
         """The testing hook: `forced_output` (text) becomes the generated tokens, then EOS.

@@ -29,7 +29,7 @@ from mawforge.serve.chatreq import Turn, parse_chat_options
 from mawforge.serve.respout import Output, base_response, new_id
 from mawforge.serve.respreq import ResponsesRequest, parse_responses, to_messages
 from mawforge.serve.structured import request_constraint
-from mawforge.serve.worker import Channel, Failure, Job, QueueFull, ShuttingDown, watch_disconnect
+from mawforge.serve.worker import Channel, Failure, Job, watch_disconnect
 
 ENDPOINT = "/v1/responses"
 
@@ -179,13 +179,7 @@ class ResponsesApi:
         params, spec = api._forced(pr.chat, pr.req)
         job = Job(rid, ENDPOINT, pr.ids, params, Channel(), stream=pr.rr.stream, speculative=spec,
                   processors=pr.processors)
-        try:
-            api.worker.submit(job)
-        except QueueFull as e:
-            raise P.ApiError(429, str(e), type="rate_limit_error", code="queue_full",
-                             headers={"Retry-After": str(e.retry_after_s)}) from None
-        except ShuttingDown as e:
-            raise P.ApiError(503, str(e), type="server_error", code="shutting_down") from None
+        api.submit(job)
         return pr, job
 
     async def create(self, request: Request):
