@@ -35,3 +35,9 @@ class RequestError(MawError):
 class ContextLengthError(RequestError):
     """A request whose tokens do not fit the context (OpenAI's `context_length_exceeded`)."""
     code = "context_length_exceeded"
+
+
+class Cancelled(MawError):
+    """A request cancelled while its prompt ran (the client went away, or the server is stopping):
+    the run stops at the next layer or piece; nothing it half-wrote is kept."""
+    code = "cancelled"

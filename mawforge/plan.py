@@ -198,6 +198,7 @@ class Plan:
     pack_digest: str = ""
     P: int = 0
     prompt_cache_source: str = "off"
+    sequences: int = 1              # KV slots: a batching server's --max-batch (K counts each)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -206,7 +207,8 @@ class Plan:
         g = lambda n: f"{n / GiB:9.4f} GiB  ({n:,} B)"
         rows = [("C  resident common", g(self.C)),
                 ("E  expert cache", g(self.E) + f"  {self.cache_percent:.1f}% [{self.cache_source}]"),
-                ("K  KV cache", g(self.K) + f"  context {self.context}, {self.kv_dtype}"),
+                ("K  KV cache", g(self.K) + f"  context {self.context}, {self.kv_dtype}"
+                 + (f", {self.sequences} sequences" if self.sequences > 1 else "")),
                 ("P  prompt cache", g(self.P) + f"  [{self.prompt_cache_source}]"),
                 ("L  = C + E + K + P", g(self.L)), ("O  runtime overhead", g(self.O)), ("F  = L + O", g(self.F)),
                 ("budget", g(self.budget_bytes) + f"  [{self.budget_source}]" if self.budget_bytes else "none given"),
@@ -225,13 +227,16 @@ def make_plan(f: PackFacts, *, memory_budget_gib: float | None = None, context: 
               stream_embeddings: bool = False, kv_dtype: str | None = None, prefill_chunk: int = 128,
               budget_source: str = "--memory-budget-gib", framework_bytes: int | None = None,
               extra_overhead_bytes: int = 0, prompt_cache_gib: float | None = 0.0,
-              prefill_wave: int = PREFILL_WAVE) -> Plan:
+              prefill_wave: int = PREFILL_WAVE, sequences: int = 1) -> Plan:
     """extra_overhead_bytes: memory the caller's own features hold beside the runtime (the
     serve dashboard's kept route traces), counted in O. prompt_cache_gib: P in GiB (0: off),
     None: the auto rule (prompt_cache_bytes; under a budget at most PROMPT_CACHE_ROOM_SHARE of
-    the expert cache's room, or only the budget's slack when the expert cache is given)."""
+    the expert cache's room, or only the budget's slack when the expert cache is given).
+    sequences: KV caches of the whole context held at once (a batching server's --max-batch)."""
     if context < 1:
         raise FormatError(f"context must be positive, got {context}")
+    if sequences < 1:
+        raise FormatError(f"--max-batch must be at least 1, got {sequences}")
     if expert_cache_percent is not None and expert_cache_gib is not None:
         raise FormatError("give --expert-cache-percent or --expert-cache-gib, not both")
     if expert_cache_percent is not None and not 0 < expert_cache_percent <= 100:
@@ -240,8 +245,8 @@ def make_plan(f: PackFacts, *, memory_budget_gib: float | None = None, context: 
         raise FormatError(f"--prompt-cache-gib must be 0 (off) or positive, got {prompt_cache_gib}")
     kvd = kv_dtype_for(f, kv_dtype)
     C = f.common_file_bytes - (f.embedding_bytes if stream_embeddings else 0) + f.dense_copy_bytes
-    K, O = kv_bytes(f, context, kvd), (overhead_bytes(f, context, prefill_chunk, framework_bytes, prefill_wave)
-                                       + extra_overhead_bytes)
+    K = sequences * kv_bytes(f, context, kvd)
+    O = overhead_bytes(f, context, prefill_chunk, framework_bytes, prefill_wave) + extra_overhead_bytes
     budget = int(memory_budget_gib * GiB) if memory_budget_gib is not None else None
     total = f.expert_bytes
     if expert_cache_gib is not None:
@@ -276,10 +281,10 @@ def make_plan(f: PackFacts, *, memory_budget_gib: float | None = None, context: 
         max_pct = max(0.0, min(100.0, 100.0 * room / total)) if room >= f.min_cache_bytes else 0.0
         fixed = fixed_state_bytes(f) if f.kv_layers else 0
         per_pos = kv_bytes(f, 1, kvd) - fixed
-        max_ctx = max(0, (budget - C - E - P - fixed) // per_pos)
+        max_ctx = max(0, (budget - C - E - P - sequences * fixed) // (sequences * per_pos))
     return Plan(not reason, reason, budget, budget_source if budget is not None else "none", context, src,
                 C, E, K, O, L, L + O, total, 100.0 * E / total, f.min_cache_bytes, kvd, max_pct, max_ctx,
-                f.pack_digest, P, psrc)
+                f.pack_digest, P, psrc, sequences)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ def plan_from_args(a: argparse.Namespace) -> Plan:
     return make_plan(PackFacts.from_pack(a.pack), memory_budget_gib=a.memory_budget_gib, context=a.context,
                      expert_cache_percent=a.expert_cache_percent, expert_cache_gib=a.expert_cache_gib,
                      stream_embeddings=a.stream_embeddings, kv_dtype=a.kv_dtype,
-                     prompt_cache_gib=getattr(a, "prompt_cache_gib", 0.0))
+                     prompt_cache_gib=getattr(a, "prompt_cache_gib", 0.0), sequences=getattr(a, "max_batch", 1))
 
 
 # ---- a draft model beside the target (speculative decoding) --------------------------------
@@ -53,6 +53,7 @@ help = "say before loading whether a configuration fits a memory budget"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pack", required=True)
     add_budget_arguments(p)
+    p.add_argument("--max-batch", type=int, default=1, help="sequences a batching server holds KV for (serve's)")
     p.add_argument("--draft-pack", default=None, help="a draft model for speculative decoding: plan the pair")
     p.add_argument("--draft-cache-percent", type=float, default=100.0, help="the draft pack's expert cache")
     p.add_argument("--json", action="store_true")

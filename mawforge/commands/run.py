@@ -44,7 +44,8 @@ def runtime_options(a: argparse.Namespace, reserved_bytes: int = 0):
                           direct_io=not a.no_direct_io, prefill_chunk=a.prefill_chunk, threads=a.threads,
                           prefill_wave=getattr(a, "prefill_wave", PREFILL_WAVE),
                           lookahead=a.lookahead, thread_governor=not a.no_thread_governor,
-                          prompt_cache_gib=getattr(a, "prompt_cache_gib", 0.0))
+                          prompt_cache_gib=getattr(a, "prompt_cache_gib", 0.0),
+                          max_batch=getattr(a, "max_batch", 1))
 
 
 def make_recorder(a: argparse.Namespace):

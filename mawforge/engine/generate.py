@@ -119,7 +119,11 @@ def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
     emb_before = rt.weights.embedding_bytes_read
     t0 = time.perf_counter()
     rt.cache.prefill_keys.clear()
-    logits, reuse = prefill(rt, prompt)      # reset, and reuse the longest cached prefix (engine/prompt_reuse.py)
+    rt.interrupt = cancelled                 # a cancelled prompt stops at its next layer (errors.Cancelled)
+    try:
+        logits, reuse = prefill(rt, prompt)  # reset, and reuse the longest cached prefix (engine/prompt_reuse.py)
+    finally:
+        rt.interrupt = None
     after = rt.cache.stats()
     read = lambda s: s["materialized_bytes"] + s["prefetch_issued_bytes"]    # demand reads and prefetch reads
     prefill_read = read(after) - read(before)

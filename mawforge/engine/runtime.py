@@ -18,7 +18,7 @@ from mawforge.engine.prompt_reuse import PromptCache
 from mawforge.engine.threads import ThreadGovernor
 from mawforge.text.tokenizer import load_tokenizer
 from mawforge.engine.weights import CommonWeights
-from mawforge.errors import BudgetRejected, FormatError, RequestError
+from mawforge.errors import BudgetRejected, Cancelled, FormatError, RequestError
 from mawforge.kernels import native
 from mawforge.models import model_class
 from mawforge.pack.manifest import read_index, read_manifest
@@ -61,6 +61,7 @@ class RuntimeOptions:
     reserved_bytes: int = 0            # a draft model's L in this process: the target plans in the rest
     extra_overhead_bytes: int = 0      # held beside the runtime by the caller (serve's dashboard): in O
     prompt_cache_gib: float | None = None   # saved prompts (P); 0: off; None: plan.py's auto size
+    max_batch: int = 1                 # sequences a batching server steps at once: K counts each one's KV
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 1:
@@ -81,7 +82,8 @@ def plan_for_options(facts: PackFacts, opts: RuntimeOptions, framework_bytes: in
                      stream_embeddings=opts.stream_embeddings, kv_dtype=opts.kv_dtype,
                      prefill_chunk=opts.prefill_chunk, prefill_wave=opts.prefill_wave,
                      framework_bytes=framework_bytes, budget_source=source,
-                     extra_overhead_bytes=opts.extra_overhead_bytes, prompt_cache_gib=opts.prompt_cache_gib)
+                     extra_overhead_bytes=opts.extra_overhead_bytes, prompt_cache_gib=opts.prompt_cache_gib,
+                     sequences=opts.max_batch)
 
 
 class Runtime:
@@ -125,6 +127,9 @@ class Runtime:
         # (tokens done: the wave's share of its layers done, in tokens): `mawforge run` draws
         # prefill progress with it on a terminal
         self.on_chunk = None
+        # while a prompt runs, generate()'s cancelled(): checked after each layer of a run of
+        # more than one token, raising errors.Cancelled (the KV positions are not committed)
+        self.interrupt = None
         threads = torch.get_num_threads()
         self.governor = (ThreadGovernor(threads) if opts.thread_governor and threads > 1
                          and self.device.type == "cpu" and native.available() else None)
@@ -204,11 +209,19 @@ class Runtime:
 
     def _progress(self, start: int, n: int, total: int, step: int):
         """on_layer for a wave of n tokens from `start`: reports tokens done as the wave's
-        share of its layers done (None where nobody listens or the run is one chunk)."""
-        if self.on_chunk is None or total <= step:
+        share of its layers done (None where nobody listens or the run is one chunk), and stops
+        a cancelled prompt at the next layer."""
+        stop, report = self.interrupt if n > 1 else None, self.on_chunk if total > step else None
+        if stop is None and report is None:
             return None
         layers = self.cfg.n_layers
-        return lambda layer: self.on_chunk(start + n * (layer + 1) // layers, total)
+
+        def on_layer(layer: int) -> None:
+            if stop is not None and stop():
+                raise Cancelled("the request was cancelled during its prompt")
+            if report is not None:
+                report(start + n * (layer + 1) // layers, total)
+        return on_layer
 
     def close(self) -> None:
         if self.governor is not None:

@@ -241,6 +241,12 @@ class MoETransformer:
     def keep_hidden(self, pos0: int, h: torch.Tensor) -> None:
         pass
 
+    def fast_for(self, kv):
+        """The fused one-token path for this KV cache: the model's own, or the one a batch's
+        sequence carries (engine/batch.py: its buffers and bound KV pointers are one sequence's)."""
+        own = getattr(kv, "fast", None)
+        return own if own is not None else self.decode_attention
+
     # ---- blocks ------------------------------------------------------------------------
     def _bound(self, layer: int, suffix: str):
         """blk.{layer}.{suffix} as bound at load (models/bound.py; a dict lookup, no name
@@ -257,7 +263,7 @@ class MoETransformer:
         cfg, T = self.cfg, x.shape[0]
         H, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         p = f"blk.{layer}."
-        fast = self.decode_attention
+        fast = self.fast_for(kv)
         if fast is not None and T == 1 and x.dtype == torch.float32 and layer < len(fast.layers):
             q, k, v = fast.qkv(layer, x, pos)                                     # [1, H, D], [1, G, D] x2
         else:
@@ -302,7 +308,8 @@ class MoETransformer:
         called after each layer (prefill progress)."""
         pos = torch.arange(pos0, pos0 + tokens.shape[0], device=self.device)
         h = self.embed(tokens)                                                    # [T, C]
-        step = self.decode_attention.layer_step(h, pos0, kv) if self.decode_attention is not None else None
+        fast = self.fast_for(kv)
+        step = fast.layer_step(h, pos0, kv) if fast is not None else None
         if step is not None:
             h = h.clone()                   # the fused call adds into h in place
         for layer in range(self.cfg.n_layers):

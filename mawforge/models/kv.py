@@ -53,6 +53,7 @@ class KVCache:
         self.kept = 0           # leading positions not truncated away since the prompt cache noted them
         self.trail: dict[int, list[tuple[int, Replay]]] | None = None   # layer -> chunks since mark()
         self.trail_start = 0
+        self.fast = None        # a batch sequence's own fused decode path (engine/batch.py), bound to this cache
         self._snap: dict[int, list[torch.Tensor]] = {}                  # recurrent state at mark()
 
     @classmethod

@@ -41,6 +41,9 @@ class MoEBlock:
         self.cache, self.expert_fn = cache, expert_fn
         self._memo: dict[int, tuple] = {}
         self.ahead = 0              # router lookahead: layers ahead (0: off); set by the runtime
+        # a batch's coordinator (engine/batch.py): gate(layer, x, idx, w) -> the rows' output once
+        # the block has run over every sequence of the step, or None to compute here at once
+        self.gate: Callable | None = None
 
     def lookahead(self, layer: int, x: torch.Tensor, route: Callable, n_layers: int, dense: Sequence[int]) -> None:
         """Before this layer's experts: apply layer+ahead's router (at layer 0 also the nearer
@@ -63,6 +66,14 @@ class MoEBlock:
             self.cache.lookahead(keys)
 
     def __call__(self, layer: int, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.gate is not None:
+            y = self.gate(layer, x, idx, w)
+            if y is not None:
+                return y
+        return self.compute(layer, x, idx, w)
+
+    def compute(self, layer: int, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The block over x's rows now: one cache request for the union of their experts."""
         fn = self.expert_fn()
         plain = fn is None
         fn = fn or swiglu_expert

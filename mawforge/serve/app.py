@@ -32,7 +32,7 @@ from mawforge.text.chat import ChatTemplate
 from mawforge.engine.generate import validate
 from mawforge.commands.run import add_runtime_arguments, make_recorder, runtime_options
 from mawforge.commands.speculative import add_speculative_arguments, speculator_from_args
-from mawforge.errors import BudgetRejected, RequestError
+from mawforge.errors import BudgetRejected, MawError, RequestError
 from mawforge.serve import limits
 from mawforge.serve import protocol as P
 from mawforge.serve.chatreq import ChatDefaults, ChatFront, Turn, parse_chat_options
@@ -60,6 +60,7 @@ class Api:
         self.rt, self.model_id, self.worker, self.ledger = rt, model_id, worker, ledger
         self.api_key, self.max_tokens_default, self.max_body_bytes = api_key, max_tokens_default, max_body_bytes
         self.front, self.allow_forced_output = chat, allow_forced_output
+        self.request_timeout_s: float | None = None    # --request-timeout-s: the engine cancels a job past it
         # JSON parsing and tokenization run here, off the event loop; two threads bound the CPU
         # and memory that a burst of large bodies can take from the engine and from /health
         self.admit_pool = ThreadPoolExecutor(2, thread_name_prefix="mawforge-admit")
@@ -84,7 +85,10 @@ class Api:
         p = self.rt.plan
         return {"queue_depth": (self.worker.queue_depth, "requests waiting for the engine"),
                 "busy": (int(self.worker.current is not None), "1 while a generation runs"),
-                "queue_capacity": (self.worker.q.maxsize, "--queue-size"),
+                "active_sequences": (getattr(self.worker, "active", int(self.worker.current is not None)),
+                                     "requests the engine is stepping now"),
+                "max_batch": (getattr(self.worker, "max_batch", 1), "--max-batch"),
+                "queue_capacity": (self.worker.q.maxsize, "--max-waiting"),
                 "context_tokens": (self.rt.opts.context, "KV cache length"),
                 "expert_cache_bytes": (p.E, "expert cache budget E"),
                 "kv_cache_bytes": (p.K, "KV cache bytes K"),
@@ -166,6 +170,8 @@ class Api:
     def submit(self, job: Job) -> None:
         """Queue a job for the engine; a full queue is OpenAI's 429 (with Retry-After), a
         shutdown a 503 (every endpoint submits through here)."""
+        if self.request_timeout_s:
+            job.deadline = job.submitted + self.request_timeout_s
         try:
             self.worker.submit(job)
         except QueueFull as e:
@@ -260,19 +266,30 @@ def build_app(rt, model_id: str, *, api_key: str | None = None, max_tokens_defau
               close_timeout_s: float | None = 60.0, speculator=None, chat_template: str | None = None,
               chat_defaults: ChatDefaults | None = None, allow_forced_output: bool = False,
               dashboard: bool = True, max_body_bytes: int = limits.MAX_BODY_BYTES,
-              responses_store: ResponseStore | None = None) -> Starlette:
+              responses_store: ResponseStore | None = None, max_batch: int = 1,
+              request_timeout_s: float | None = None) -> Starlette:
     """The ASGI app. The engine thread starts with the app's lifespan and stops with it;
     the runtime stays the caller's to close. `generate_fn` replaces engine.generate (tests).
     `chat_template` replaces the pack's template (--chat-template-file); `allow_forced_output`
-    enables the forced_output testing hook (--allow-forced-output)."""
+    enables the forced_output testing hook (--allow-forced-output). `max_batch` > 1 steps that
+    many requests at once (serve/batching.py; the runtime's plan must count their KV: its
+    options' max_batch); `request_timeout_s` cancels a request that runs past it."""
     ledger = Ledger(telemetry_log)
     kw = {"generate_fn": generate_fn} if generate_fn is not None else {}
-    worker = EngineWorker(rt, ledger, queue_size, speculator=speculator, **kw)
+    if max_batch > 1:
+        from mawforge.serve.batching import BatchWorker
+        if getattr(rt.plan, "sequences", 1) < max_batch:
+            raise MawError(f"--max-batch {max_batch}: the runtime's plan holds KV for {rt.plan.sequences} "
+                           "sequence(s); plan it with max_batch")
+        worker = BatchWorker(rt, ledger, queue_size, max_batch, speculator=speculator, **kw)
+    else:
+        worker = EngineWorker(rt, ledger, queue_size, speculator=speculator, **kw)
     chat = rt.tokenizer.chat
     if chat_template is not None:
         chat = ChatTemplate(chat_template, chat.bos, chat.eos)
     api = Api(rt, model_id, worker, ledger, api_key, max_tokens_default,
               ChatFront(chat, chat_defaults or ChatDefaults()), allow_forced_output, max_body_bytes)
+    api.request_timeout_s = request_timeout_s
     api.prometheus = Metrics(ledger, api.gauges)
     board = Board(rt, model_id, worker, api_key) if dashboard else None
     if board is not None:
@@ -331,7 +348,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--telemetry-log", default=None, help="append one JSON line per request here")
     p.add_argument("--no-dashboard", dest="dashboard", action="store_false",
                    help="no live dashboard at / (it is on by default; --api-key guards it too)")
-    p.add_argument("--queue-size", type=int, default=64, help="requests that may wait; beyond it 429")
+    p.add_argument("--max-batch", type=int, default=1,
+                   help="requests stepped at once (continuous batching: each routed expert read once for all "
+                        "of them; the plan counts each one's KV); 1: one at a time")
+    p.add_argument("--max-waiting", "--queue-size", dest="queue_size", type=int, default=64,
+                   help="requests that may wait for the engine; beyond it 429")
+    p.add_argument("--request-timeout-s", type=float, default=None,
+                   help="cancel a request still running this long after it arrived (finish_reason cancelled)")
     p.add_argument("--max-body-bytes", type=int, default=limits.MAX_BODY_BYTES,
                    help="larger request bodies are refused with 413")
     p.add_argument("--shutdown-grace-s", type=float, default=30.0,
@@ -373,7 +396,8 @@ def main(a: argparse.Namespace) -> int:
         app = build_app(rt, model_id, api_key=a.api_key, max_tokens_default=a.max_tokens_default,
                         queue_size=a.queue_size, telemetry_log=a.telemetry_log, speculator=spec,
                         dashboard=a.dashboard, max_body_bytes=a.max_body_bytes,
-                        responses_store=store_from_args(a), **chat)
+                        responses_store=store_from_args(a), max_batch=a.max_batch,
+                        request_timeout_s=a.request_timeout_s, **chat)
         announce = lambda url: print(f"mawforge serve: listening on {url} (model {model_id!r}, context "
                                      f"{opts.context}, queue {a.queue_size})"
                                      + (f"; dashboard at {url}/" if a.dashboard else ""), file=sys.stderr, flush=True)

@@ -54,40 +54,57 @@ REQUEST_FIELDS = ("prompt_tokens", "cached_tokens", "completion_tokens", "ttft_s
                   "finish_reason", "total_s")
 
 
-class RequestTraces(CacheObserver):
-    """Observes the expert cache and keeps the running request's routing, so any of the last
-    requests can be replayed against Belady on demand. The engine thread only appends copies
-    of the small routing arrays; the Trace is built when a replay asks for it."""
-
-    def __init__(self, rt):
-        self.rt = rt
-        self.steps: list[tuple[str, int]] | None = None          # None: not recording
+class _Recording:
+    def __init__(self) -> None:
+        self.steps: list[tuple[str, int]] | None = []            # None: dropped (too long)
         self.records: list = []                                   # (step, layer, experts, weights)
         self.rows = 0
         self.dropped: str | None = None
 
-    def start(self) -> None:
-        self.steps, self.records, self.rows, self.dropped = [], [], 0, None
 
-    def stop(self):
-        """The running request's routing (None if none, or too long to keep: see .dropped)."""
-        steps, self.steps = self.steps, None
-        return (steps, self.records) if steps and self.records else None
+class RequestTraces(CacheObserver):
+    """Observes the expert cache and keeps each running request's routing, so any of the last
+    requests can be replayed against Belady on demand. The engine thread only appends copies
+    of the small routing arrays; the Trace is built when a replay asks for it. With batching
+    (serve --max-batch) several requests record at once, each the steps its sequence ran in,
+    with the rows of every sequence of those steps (what the cache saw)."""
+
+    def __init__(self, rt):
+        self.rt = rt
+        self.active: dict[int, _Recording] = {}
+        self._next = 0
+        self.dropped: str | None = None          # why the last stopped recording was not kept
+
+    def start(self) -> int:
+        self._next += 1
+        self.active[self._next] = _Recording()
+        return self._next
+
+    def stop(self, handle: int):
+        """That request's routing (None if none, or too long to keep: see .dropped)."""
+        r = self.active.pop(handle, None)
+        if r is None:
+            return None
+        self.dropped = r.dropped
+        return (r.steps, r.records) if r.steps and r.records else None
 
     def begin_step(self, kind: str, n_tokens: int, prefetch: bool = True) -> None:
-        if self.steps is not None:
-            self.steps.append((kind, n_tokens))
+        for r in self.active.values():
+            if r.steps is not None:
+                r.steps.append((kind, n_tokens))
 
     def record(self, layer: int, idx, w) -> None:
         # lookaheads are not kept: the what-if replays compare policies on routing alone, as
         # `mawforge replay` does
-        if self.steps is not None:
-            self.rows += len(idx)
-            if self.rows > MAX_TRACE_ROWS:
-                self.steps, self.records = None, []
-                self.dropped = f"the route trace passed {MAX_TRACE_ROWS} (token, layer) rows and was not kept"
+        for r in list(self.active.values()):
+            if r.steps is None:
+                continue
+            r.rows += len(idx)
+            if r.rows > MAX_TRACE_ROWS:
+                r.steps, r.records = None, []
+                r.dropped = f"the route trace passed {MAX_TRACE_ROWS} (token, layer) rows and was not kept"
             else:
-                self.records.append((len(self.steps) - 1, layer, idx.copy(), w.copy()))
+                r.records.append((len(r.steps) - 1, layer, idx.copy(), w.copy()))
 
     def trace(self, kept):
         """(steps, records) from stop() -> a Trace, through the recorder `--trace-out` uses."""
@@ -174,18 +191,18 @@ class Board:
     def wrap(self, generate_fn):
         """The worker's generate, with the request's trace recorded and its telemetry kept."""
         def generate(rt, prompt, params, **kw):
-            job = self.worker.current
+            job = getattr(rt, "job", None) or self.worker.current     # a batch's Sequence knows its job
             rid = job.request_id if job is not None else P.new_request_id("completion")
-            self.traces.start()
+            handle = self.traces.start()
             try:
                 for ev in generate_fn(rt, prompt, params, **kw):
                     if ev.token is not None:
                         self.tokens += 1
                     if ev.telemetry is not None:
-                        self._finished(rid, job, ev.telemetry.to_dict(), self.traces.stop())
+                        self._finished(rid, job, ev.telemetry.to_dict(), self.traces.stop(handle))
                     yield ev
             finally:
-                self.traces.stop()
+                self.traces.stop(handle)
         return generate
 
     def _finished(self, rid: str, job, tel: dict, trace) -> None:

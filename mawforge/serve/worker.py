@@ -26,7 +26,7 @@ from typing import Callable
 
 from mawforge.engine.generate import generate
 from mawforge.engine.sampling import SamplingParams
-from mawforge.errors import MawError
+from mawforge.errors import Cancelled, MawError
 from mawforge.serve.choices import merge
 
 log = logging.getLogger("mawforge.serve")
@@ -78,6 +78,13 @@ class Job:
     prompts: list[list[int]] = field(default_factory=list)    # all prompts, when several
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
+    deadline: float | None = None      # perf_counter time after which the engine cancels it (--request-timeout-s)
+
+    def cancelled(self) -> bool:
+        """True once the client went away, the server is stopping, or the deadline passed."""
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            self.cancel.set()
+        return self.cancel.is_set()
 
     def choices(self) -> list[tuple[list[int], SamplingParams]]:
         """(prompt, params) by choice index: prompt p's j-th choice is index p * n + j."""
@@ -215,7 +222,9 @@ class EngineWorker:
             finally:
                 self.current = None
 
-    def _serve(self, job: Job) -> None:
+    def _serve(self, job: Job, rt=None) -> None:
+        """Run one job to its end on rt (the runtime, or a batch's Sequence), answering on its channel."""
+        rt = rt if rt is not None else self.rt
         queue_s = time.perf_counter() - job.submitted
         if job.cancel.is_set():
             self._fail(job, Failure(503, "the server shut down before this request started", code="shutting_down")
@@ -232,7 +241,7 @@ class EngineWorker:
             for i, (prompt, params) in enumerate(choices):
                 if procs[i]:
                     kw["processors"] = procs[i]
-                for ev in self.generate(self.rt, prompt, params, cancelled=job.cancel.is_set, **kw):
+                for ev in self.generate(rt, prompt, params, cancelled=job.cancelled, **kw):
                     if ev.telemetry is not None:
                         done.append(ev.telemetry)
                         if i == len(choices) - 1 or ev.finish_reason == "cancelled":
@@ -241,6 +250,11 @@ class EngineWorker:
                     job.channel.put((i, ev))
                 if ev.finish_reason == "cancelled":
                     break
+        except Cancelled:            # cancelled between the pieces of its prompt (a batch's Sequence)
+            self._fail(job, Failure(503, "the server shut down during this request's prompt", code="shutting_down")
+                       if self.stopping else Failure(499, "the client went away during the prompt",
+                                                     type="cancelled", code="client_closed"), queue_s)
+            return
         except MawError as e:        # a request the engine refused (validated again there)
             self._fail(job, Failure(400, str(e), type="invalid_request_error", code=getattr(e, "code", None)),
                        queue_s)

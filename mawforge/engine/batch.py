@@ -1,0 +1,286 @@
+"""Continuous batching: every active sequence advances in one step, and each routed expert block
+is read and computed once for all the sequences of the step that routed to it.
+
+Each active request runs the one generator (engine/generate.py `generate`, prompt cache and all)
+in a greenlet of its own, on a `Sequence`: the runtime seen through a KV cache slot of its own.
+A sequence's forward does not run at once: it parks at the step boundary, and the scheduler
+(`Batch.step`, run by one OS thread: the server's engine thread) starts a step once every active
+sequence is parked there. Inside the step each sequence runs its own layer code exactly as alone
+(its mixer over its own KV, its norms, its router: the fused one-token path with buffers of its
+own), and parks again at the MoE block (models/moe.py `gate`) with its rows. When every sequence
+of the step has parked at that layer, the block runs once over all their rows (the expert cache
+is asked for the union of their blocks: one read and one expert GEMM per block), each sequence
+takes its rows back and goes on to its next layer. A prompt runs one piece of whole attention
+chunks a step while others are active (about 256 tokens; alone, whole prefill waves as without
+batching), so a long prompt does not freeze the others' streams, and its piece's rows share the
+step's expert reads with theirs.
+
+Exact: a sequence runs the code it runs alone; only the MoE block sees rows of several, and the
+native expert kernels give a row the same bits at any row count (kernels/native `moe_ffn`), with
+a row's experts summed in ascending id order either way (cache/driver.py groups).
+tests/conformance/test_batch_rows.py holds every architecture row to it.
+
+Accounting: one step is one expert-cache step (a route trace records the step's rows together).
+A layer's counter deltas (hits, misses, bytes read, ...) are split among its sequences in
+proportion to their rows (each row routed the same k experts), and the rest of a step's (router
+lookahead prefetch) by tokens, so a request's telemetry is its share and the totals count each
+read once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import greenlet
+import torch
+
+from mawforge.engine.prompt_reuse import PromptCache
+from mawforge.errors import Cancelled, MawError, RequestError
+from mawforge.models.fastpath import DecodeAttention
+from mawforge.models.kv import KVCache
+
+# the expert cache's counters a request's telemetry takes deltas of (engine/generate.py _telemetry)
+COUNTED = ("hits", "misses", "evictions", "materialized_bytes", "prefetch_issued_bytes", "prefetch_useful_bytes",
+           "prefetch_wasted_bytes", "load_seconds", "prefetch_stall_seconds", "demand_loaded_bytes")
+
+
+class SeqCache:
+    """The expert cache as one sequence sees it: stats() are its share of the counters; the rest
+    is the shared cache's."""
+
+    def __init__(self, cache) -> None:
+        self._cache = cache
+        self.share = dict.fromkeys(COUNTED, 0)
+
+    def stats(self) -> dict:
+        s = self._cache.stats()
+        s.update(self.share)
+        return s
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+
+class Sequence:
+    """A runtime for one request of a batch: its own KV cache (and fused decode path bound to
+    it), its own view of the prompt cache's live rows and of the expert cache's counters; the
+    model, weights, expert cache and tokenizer are the runtime's. Its forward runs in the batch's
+    steps."""
+
+    def __init__(self, rt, batch: "Batch", slot: int) -> None:
+        self._rt, self.batch, self.slot = rt, batch, slot
+        if slot == 0:                      # the runtime's own KV and prompt-cache side
+            self.kv, self.prompt_cache = rt.kv, rt.prompt_cache
+        else:
+            self.kv = KVCache.for_config(rt.cfg, rt.opts.context, getattr(torch, rt.plan.kv_dtype), rt.device)
+            if rt.model.decode_attention is not None:
+                self.kv.fast = DecodeAttention.plan(rt.model)
+            self.prompt_cache = PromptCache(self, rt.prompt_cache.store) if rt.prompt_cache is not None else None
+        self.cache = SeqCache(rt.cache)
+        self.interrupt = None               # generate()'s cancelled() while a prompt runs (Runtime's too)
+        self.job = None                     # the server's job running here (serve/batching.py), if any
+
+    def __getattr__(self, name):
+        return getattr(self._rt, name)
+
+    def reset(self, keep: int = 0) -> None:
+        self.kv.truncate(keep)
+
+    def forward(self, tokens: list[int], all_logits: bool = False, kind: str | None = None) -> torch.Tensor:
+        """Runtime.forward's contract, run in the batch's steps (a prompt one piece a step)."""
+        if not tokens:
+            raise RequestError("nothing to run: empty token list")
+        self.kv.check_room(len(tokens))
+        bad = [t for t in tokens if not 0 <= t < self.cfg.vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary of {self.cfg.vocab}")
+        outs, i = [], 0
+        while i < len(tokens):
+            if i and self.interrupt is not None and self.interrupt():
+                raise Cancelled("the request was cancelled during its prompt")
+            n = self.batch.begin(self, len(tokens) - i, kind)
+            t = torch.tensor(tokens[i:i + n], dtype=torch.long, device=self.device)
+            logits = self.model.forward(t, self.kv.pos, self.kv, all_logits=all_logits, chunk=self.opts.prefill_chunk)
+            self.kv.commit(n)
+            outs.append(logits)
+            i += n
+        return torch.cat(outs) if all_logits else outs[-1]
+
+
+@dataclass
+class _Row:
+    seq: Sequence
+    g: greenlet.greenlet
+    n: int                    # tokens this step
+    decode: bool
+    park: tuple | None = None           # ("experts", layer, x, idx, w) while parked at a MoE block
+    out: object = None                  # what the row's greenlet switched back with last
+
+
+@dataclass
+class StepReport:
+    sequences: int = 0
+    tokens: int = 0
+    groups: list = field(default_factory=list)      # sequences per expert call, decode groups
+
+
+class Batch:
+    """The sequences of one runtime and the scheduler that steps them. `seqs[i]` is slot i."""
+
+    def __init__(self, rt, max_batch: int, piece: int | None = None) -> None:
+        if max_batch < 1:
+            raise MawError(f"--max-batch must be at least 1, got {max_batch}")
+        chunk = rt.opts.prefill_chunk
+        self.rt, self.chunk = rt, chunk
+        self.wave = max(chunk, rt.opts.prefill_wave // chunk * chunk)
+        # a prompt's piece per step while others stream: whole attention chunks (the same query
+        # chunks as alone), about 256 tokens
+        self.piece = piece or max(chunk, 256 // chunk * chunk)
+        self.seqs = [Sequence(rt, self, i) for i in range(max_batch)]
+        self.main: greenlet.greenlet | None = None
+        self._stepping: dict[greenlet.greenlet, _Row] = {}
+        self.last = StepReport()
+        self.peak = 0                       # the most sequences one step has run (telemetry, tests)
+        self.steps = 0
+        rt.model.experts.gate = self._gate
+
+    # ---- the sequence side (runs in a request's greenlet) ---------------------------------
+    def begin(self, seq: Sequence, remaining: int, kind: str | None) -> int:
+        """Park at the step boundary; returns how many of the remaining tokens this step runs."""
+        if self.main is None or greenlet.getcurrent() is self.main:
+            raise MawError("a batch sequence ran outside its scheduler")
+        return self.main.switch(("begin", seq, remaining, kind))
+
+    def _gate(self, layer: int, x, idx, w):
+        row = self._stepping.get(greenlet.getcurrent())
+        if row is None:
+            return None                     # not inside a step (a draft model's call): compute now
+        return self.main.switch(("experts", layer, x, idx, w))
+
+    # ---- the scheduler side (runs in the engine thread's main greenlet) -------------------
+    def run_all(self, works: list) -> list:
+        """Run each work(seq) -> result as a sequence of this batch, up to len(seqs) at once
+        (the others start as slots free), stepping until every one has returned; the results in
+        order. A work that raises makes this raise it once the others have finished."""
+        results, errors = [None] * len(works), []
+        free, todo, running, parked = list(range(len(self.seqs))), list(enumerate(works)), {}, {}
+
+        def body(i, work, seq):
+            try:
+                results[i] = work(seq)
+            except BaseException as e:       # noqa: BLE001  (re-raised below, after the others ran)
+                errors.append(e)
+        while todo or running:
+            while free and todo:
+                i, work = todo.pop(0)
+                slot = free.pop(0)
+                g = self.spawn(lambda i=i, work=work, seq=self.seqs[slot]: body(i, work, seq))
+                running[g] = slot
+                out = self.advance(g)
+                if out is not None:
+                    parked[g] = out
+            if parked:
+                parked = self.step(parked)
+            for g in [g for g in running if g.dead]:
+                free.append(running.pop(g))
+                parked.pop(g, None)
+        if errors:
+            raise errors[0]
+        return results
+
+
+    def spawn(self, fn) -> greenlet.greenlet:
+        """A greenlet for one request's work; `advance` runs it to its first park."""
+        self.main = greenlet.getcurrent()
+        return greenlet.greenlet(fn, parent=self.main)
+
+    def advance(self, g: greenlet.greenlet):
+        """Start g and run it until it parks (returns ("begin", seq, remaining, kind)) or ends (None)."""
+        out = g.switch()
+        return out if not g.dead else None
+
+    def step(self, parked: dict[greenlet.greenlet, tuple]) -> dict[greenlet.greenlet, tuple]:
+        """One step over every sequence parked at "begin"; returns where each parks next (the
+        ones that ended are left out)."""
+        rows, alone = [], len(parked) == 1
+        for g, (_, seq, remaining, kind) in parked.items():
+            decode = remaining == 1 and kind == "decode"
+            n = remaining if decode else min(remaining, self.wave if alone else self.piece)
+            rows.append(_Row(seq, g, n, decode))
+        rt, cache = self.rt, self.rt.cache
+        kind = "decode" if all(r.decode for r in rows) else "prefill"
+        tokens = sum(r.n for r in rows)
+        self.last = StepReport(len(rows), tokens)
+        self.peak, self.steps = max(self.peak, len(rows)), self.steps + 1
+        if cache.complete():
+            cache.driver.enabled = False    # resident: nothing to prefetch (Runtime.forward)
+        else:
+            cache.driver.enabled = True
+        if rt.governor is not None:
+            rt.governor.release()           # all threads: a step's speed depends on its rows
+        before = cache.stats()
+        attributed = dict.fromkeys(COUNTED, 0)
+        cache.begin_step(kind, tokens)
+        try:
+            for r in rows:
+                self._stepping[r.g] = r
+                self._resume(r, r.n)
+            while True:
+                waiting = [r for r in rows if r.park is not None]
+                if not waiting:
+                    break
+                layer = min(r.park[1] for r in waiting)
+                self._run_group(layer, [r for r in waiting if r.park[1] == layer], attributed)
+        finally:
+            for r in rows:
+                self._stepping.pop(r.g, None)
+            cache.end_step()
+        after = cache.stats()
+        for k in COUNTED:                   # what no group took (lookahead prefetch): by tokens
+            for r, part in zip(rows, _split(after[k] - before[k] - attributed[k], [r.n for r in rows])):
+                r.seq.cache.share[k] += part
+        return {r.g: r.out for r in rows if not r.g.dead}
+
+    def _resume(self, r: _Row, value, throw: BaseException | None = None) -> None:
+        out = r.g.throw(throw) if throw is not None else r.g.switch(value)
+        r.out = None if r.g.dead else out
+        r.park = out if (not r.g.dead and isinstance(out, tuple) and out[0] == "experts") else None
+        if r.park is None:
+            self._stepping.pop(r.g, None)   # its forward's piece is done (parked at "begin") or it ended
+
+    def _run_group(self, layer: int, group: list[_Row], attributed: dict) -> None:
+        cache = self.rt.cache
+        xs = [r.park[2] for r in group]
+        x = xs[0] if len(group) == 1 else torch.cat(xs)
+        idx = group[0].park[3] if len(group) == 1 else torch.cat([r.park[3] for r in group])
+        w = group[0].park[4] if len(group) == 1 else torch.cat([r.park[4] for r in group])
+        s0 = cache.stats()
+        try:
+            y = self.rt.model.experts.compute(layer, x, idx, w)
+        except BaseException as e:          # each sequence of the group fails with it
+            for r in group:
+                self._resume(r, None, throw=e)
+            return
+        s1 = cache.stats()
+        if len(group) > 1:
+            self.last.groups.append(len(group))
+        rows = [r.park[2].shape[0] for r in group]
+        for k in COUNTED:
+            d = s1[k] - s0[k]
+            attributed[k] += d
+            for r, part in zip(group, _split(d, rows)):
+                r.seq.cache.share[k] += part
+        a = 0
+        for r in group:
+            n = r.park[2].shape[0]
+            self._resume(r, y[a:a + n])
+            a += n
+
+
+def _split(total, weights: list[int]) -> list:
+    """total split in proportion to weights (integers exactly: the remainder to the first)."""
+    w = sum(weights)
+    if isinstance(total, float):
+        return [total * x / w for x in weights]
+    parts = [total * x // w for x in weights]
+    parts[0] += total - sum(parts)
+    return parts
