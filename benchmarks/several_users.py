@@ -93,7 +93,8 @@ def run_mawforge(pack: Path, reqs: list[list[int]], counts: list[int], tokens: i
     cmd = [sys.executable, "-m", "mawforge.cli", "serve", "--pack", str(pack), "--port", "0", "--model-id",
            E.MODEL_ID, "--context", str(context), "--threads", str(THREADS), "--max-batch", str(max(counts)),
            "--max-waiting", "16", "--no-dashboard"]
-    cmd += ["--expert-cache-percent", "100"] if limit_gib is None else ["--memory-budget-gib", f"{0.92 * limit_gib:.3f}"]
+    cmd += (["--expert-cache-percent", "100"] if limit_gib is None
+            else ["--memory-budget-gib", f"{0.92 * limit_gib:.3f}"])
     server = E.Server(cmd, log, int(limit_gib * GiB) if limit_gib else None)
     rows = []
     try:
@@ -192,7 +193,8 @@ def llama_worker(a) -> None:
         r0 = proc_read_bytes(os.getpid())
         streams, wall = run(reqs[:n])
         rows.append(summarize(streams, wall, proc_read_bytes(os.getpid()) - r0))
-        print(f"  llama.cpp {n} streams: {rows[-1]['aggregate_tok_s']:.2f} tok/s aggregate", file=sys.stderr, flush=True)
+        print(f"  llama.cpp {n} streams: {rows[-1]['aggregate_tok_s']:.2f} tok/s aggregate", file=sys.stderr,
+              flush=True)
         print(json.dumps({"rows": rows}), flush=True)
 
 

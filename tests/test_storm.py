@@ -18,7 +18,7 @@ import torch
 from mawforge.engine.generate import generate
 from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.engine.sampling import SamplingParams
-from mawforge.fuzz.storm import Result, Storm, _Http, drain, malformed, storm
+from mawforge.fuzz.storm import CHAT, COMP, PROMPTS, Result, Storm, _Http, _text, drain, malformed, storm
 from mawforge.pack.packer import pack
 from mawforge.serve.app import ServerThread, build_app
 
@@ -40,16 +40,21 @@ def _get(url: str) -> str:
         return r.read().decode()
 
 
-def test_storm_gets_no_5xx_and_every_request_is_answered_and_logged(tiny_pack, tmp_path):
+@pytest.mark.parametrize("max_batch,clients", [(1, 6), (4, 16)], ids=["one-at-a-time", "batching"])
+def test_storm_gets_no_5xx_and_every_request_is_answered_and_logged(tiny_pack, tmp_path, max_batch, clients):
+    """One request at a time, and continuous batching (--max-batch 4, 16 clients): the same storm,
+    and with batching every greedy answer equal to the same request's answer alone."""
     log = tmp_path / "telemetry.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "mawforge.cli", "serve", "--pack", str(tiny_pack), "--model-id",
                              MODEL, "--port", "0", "--context", str(CONTEXT), "--threads", "1", "--queue-size", "2",
                              "--memory-budget-gib", "2", "--expert-cache-percent", "100", "--no-speculative",
-                             "--telemetry-log", str(log), "--shutdown-grace-s", "5"],
+                             "--telemetry-log", str(log), "--shutdown-grace-s", "5", "--max-batch", str(max_batch)],
                             stderr=subprocess.PIPE, text=True)
     try:
         url = next(m.group(1) for line in proc.stderr if (m := re.search(r"listening on (http://\S+)", line)))
-        cfg = Storm(clients=6, requests=4, disconnects=4, big_bodies=3, big_mb=2.0, overload=10, in_flight_at_term=3)
+        cfg = Storm(clients=clients, requests=4 if max_batch == 1 else 2, disconnects=4, big_bodies=3, big_mb=2.0,
+                    overload=10, in_flight_at_term=3)
+        alone = solo_answers(url, cfg)
         res = storm(url, MODEL, cfg, CONTEXT)
         for _ in range(600):                      # quiescent: disconnected jobs cancelled, queue empty
             h = json.loads(_get(url + "/health"))
@@ -70,6 +75,7 @@ def test_storm_gets_no_5xx_and_every_request_is_answered_and_logged(tiny_pack, t
     for key, _, text in res.good:
         texts.setdefault(key, set()).add(text)
     assert all(len(v) == 1 for v in texts.values())
+    assert {k: v.pop() for k, v in texts.items()} == {k: alone[k] for k in texts}
     # malformed: each a 4xx with an OpenAI error body
     bad = [(n, s) for n, s, err in res.malformed if not 400 <= s < 500 or err is None]
     assert bad == [] and len(res.malformed) == len(malformed(MODEL, CONTEXT)) + 1
@@ -78,7 +84,7 @@ def test_storm_gets_no_5xx_and_every_request_is_answered_and_logged(tiny_pack, t
     assert set(res.overload) <= {200, 429} and res.overload[200] >= 1 and res.retry_after_missing == 0
     assert res.disconnects == cfg.disconnects
     # every request has its telemetry line and is counted in /metrics; none is a 5xx
-    assert len(lines) == sum(res.sent.values())
+    assert len(lines) == sum(res.sent.values()) + len(alone)
     assert not [x for x in lines if x["status"] >= 500]
     assert sum(1 for x in lines if 400 <= x["status"] < 500 and x["error"]) >= len(res.malformed) + cfg.big_bodies
     counted = sum(int(v) for v in re.findall(r'^mawforge_requests_total\{[^}]*\} (\d+)', metrics, re.M))
@@ -87,6 +93,20 @@ def test_storm_gets_no_5xx_and_every_request_is_answered_and_logged(tiny_pack, t
     assert len(term.term_streams) == cfg.in_flight_at_term
     assert all(t in ("length", "cancelled", "stop", "status 503", "status 429") for t in term.term_streams)
     assert "length" in term.term_streams or "cancelled" in term.term_streams
+
+
+def solo_answers(url: str, cfg: Storm) -> dict:
+    """Each (path, prompt) of the storm's good clients asked alone, before the storm: the answers
+    the storm's concurrent ones must equal."""
+    h, out = _Http(url), {}
+    for path in (COMP, CHAT):
+        for i, prompt in enumerate(PROMPTS):
+            body = {"model": MODEL, "temperature": 0, "max_tokens": cfg.max_tokens, "stream": False}
+            body.update({"messages": [{"role": "user", "content": prompt}]} if path == CHAT else {"prompt": prompt})
+            status, _, raw = h.post(path, body)
+            assert status == 200
+            out[(path, i)] = _text(path, status, raw, False)
+    return out
 
 
 @pytest.fixture(scope="module")

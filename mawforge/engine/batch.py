@@ -93,13 +93,16 @@ class Sequence:
         bad = [t for t in tokens if not 0 <= t < self.cfg.vocab]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary of {self.cfg.vocab}")
-        outs, i = [], 0
-        while i < len(tokens):
-            if i and self.interrupt is not None and self.interrupt():
+        outs, i, stop = [], 0, self.interrupt if len(tokens) > 1 else None
+
+        def on_layer(layer: int) -> None:   # a cancelled prompt stops at its next layer (Runtime's rule)
+            if stop():
                 raise Cancelled("the request was cancelled during its prompt")
+        while i < len(tokens):
             n = self.batch.begin(self, len(tokens) - i, kind)
             t = torch.tensor(tokens[i:i + n], dtype=torch.long, device=self.device)
-            logits = self.model.forward(t, self.kv.pos, self.kv, all_logits=all_logits, chunk=self.opts.prefill_chunk)
+            logits = self.model.forward(t, self.kv.pos, self.kv, all_logits=all_logits, chunk=self.opts.prefill_chunk,
+                                        on_layer=on_layer if stop is not None else None)
             self.kv.commit(n)
             outs.append(logits)
             i += n

@@ -145,9 +145,12 @@ def _run(threads: list[threading.Thread]) -> None:
         t.join()
 
 
+PROMPTS = [f"Storm prompt {i}: count the experts." for i in range(4)]    # the good clients' prompts
+
+
 def storm(url: str, model: str, cfg: Storm, context: int, terminate=None) -> Result:
     h, res, lock = _Http(url), Result(), threading.Lock()
-    prompts = [f"Storm prompt {i}: count the experts." for i in range(4)]
+    prompts = PROMPTS
 
     def good(c: int) -> None:
         for k in range(cfg.requests):
