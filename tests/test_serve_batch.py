@@ -143,3 +143,27 @@ def test_cli_plans_the_kv_of_every_sequence(pack_dir):
                         str(CONTEXT), "--max-batch", "3"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert re.search(r"K  KV cache.*3 sequences", p.stdout)
+
+
+def test_a_reader_that_never_reads_is_cancelled_and_the_others_go_on(rt, server):
+    """A job whose client reads nothing (a Channel on a loop that never runs) is cancelled once
+    max_unread events wait; a request beside it completes."""
+    import asyncio
+
+    from mawforge.serve.worker import Channel, Job
+    stalled = Channel.__new__(Channel)
+    stalled.loop, stalled.q = asyncio.new_event_loop(), asyncio.Queue()
+    stalled.max_unread, stalled.sent, stalled.taken = 5, 0, 0
+    stalled.loop.call_soon_threadsafe = lambda *a: None            # nobody will ever take these
+    ids = rt.tokenizer.encode("Never read")
+    job = Job("stalled-1", "/v1/completions", ids, SamplingParams(max_tokens=200, ignore_eos=True), stalled,
+              stream=True)
+    server.worker.submit(job)
+    other = _client(server).completions.create(model=MODEL, prompt="Meanwhile", max_tokens=20, temperature=0,
+                                               extra_body={"ignore_eos": True})
+    assert other.usage.completion_tokens == 20
+    wait_for(lambda: any(line["request_id"] == "stalled-1" for line in log_lines(server.log)), "its log line")
+    line = next(line for line in log_lines(server.log) if line["request_id"] == "stalled-1")
+    assert job.cancel.is_set() and line["status"] == 499
+    assert line["telemetry"]["finish_reason"] == "cancelled" and line["telemetry"]["completion_tokens"] <= 7
+    stalled.loop.close()

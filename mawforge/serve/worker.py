@@ -41,14 +41,26 @@ class Failure:
     code: str | None = None
 
 
-class Channel:
-    """Thread-to-event-loop pipe: put() from any thread, `async for` on the loop."""
+# events a client may leave unread (its socket's buffers full, its reader stalled) before the
+# engine cancels its request: a client that never reads cannot hold a slot or grow the server
+MAX_UNREAD = 4096
 
-    def __init__(self) -> None:
+
+class Channel:
+    """Thread-to-event-loop pipe: put() from any thread, `async for` on the loop. `unread` counts
+    what was put and not yet taken (the engine cancels a job whose reader fell max_unread behind)."""
+
+    def __init__(self, max_unread: int = MAX_UNREAD) -> None:
         self.loop = asyncio.get_running_loop()
         self.q: asyncio.Queue = asyncio.Queue()
+        self.max_unread, self.sent, self.taken = max_unread, 0, 0
+
+    @property
+    def unread(self) -> int:
+        return self.sent - self.taken
 
     def put(self, item) -> None:
+        self.sent += 1
         try:
             self.loop.call_soon_threadsafe(self.q.put_nowait, item)
         except RuntimeError:          # the loop is closed: nobody is listening any more
@@ -59,6 +71,7 @@ class Channel:
 
     async def __anext__(self):
         item = await self.q.get()
+        self.taken += 1
         if item is None:
             raise StopAsyncIteration
         return item
@@ -248,6 +261,8 @@ class EngineWorker:
                             ev = replace(ev, telemetry=merge(done, sum(map(len, job.prompts or [job.prompt])), job.n))
                             self._log(job, ev.telemetry.to_dict(), queue_s)    # before the client sees the end
                     job.channel.put((i, ev))
+                    if job.channel.unread > job.channel.max_unread:
+                        job.cancel.set()     # a reader that stopped reading: its request ends ("cancelled")
                 if ev.finish_reason == "cancelled":
                     break
         except Cancelled:            # cancelled between the pieces of its prompt (a batch's Sequence)
