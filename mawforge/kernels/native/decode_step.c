@@ -187,48 +187,138 @@ void kv_put(const float *k, const float *v, void *kc, void *vc, int dtype, int G
    q [H*D]; kc/vc [G, ctx, D] (sg = ctx * D between groups); out [H*D]. Each group's heads
    on one thread, so the result does not depend on the thread count. Returns 0, or -2 when
    the scratch cannot be allocated. */
+/* The pairwise lane sums of eight 16-lane vectors at once (a transpose-and-add network): out[i]
+   is hsum16(a[i]) bit for bit (each level adds lane l and lane l + w of every vector, as hsum16's
+   8 + 8, 4 + 4, 2 + 2, 1 + 1), in 15 vector additions instead of 8 x 15 scalar ones. */
+typedef int v16i __attribute__((vector_size(64)));
+static inline void hsum16x8(const v16f *a, float *out) {
+    const v16i lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const v16i hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const v16i lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const v16i hi4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const v16i lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const v16i hi2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    v16f b[4], c[2], d;
+    for (int i = 0; i < 4; i++)          /* lanes 0-7: a[2i]'s l + (l + 8); 8-15: a[2i + 1]'s */
+        b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo8) + __builtin_shuffle(a[2 * i], a[2 * i + 1], hi8);
+    for (int i = 0; i < 2; i++)          /* four lanes per vector: l + (l + 4) */
+        c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], lo4) + __builtin_shuffle(b[2 * i], b[2 * i + 1], hi4);
+    d = __builtin_shuffle(c[0], c[1], lo2) + __builtin_shuffle(c[0], c[1], hi2);     /* two lanes: l + (l + 2) */
+    float t[16];
+    memcpy(t, &d, sizeof t);
+    for (int i = 0; i < 8; i++) out[i] = t[2 * i] + t[2 * i + 1];                     /* 1 + 1 */
+}
+
+/* e^x for 16 lanes (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, times
+   2^n), exact to about 1 ulp; x below -87.3 gives 0. Plain multiplies and adds in the vector type
+   (no FMA contraction under -std=c11), so every build and thread count gives the same bits. */
+static inline v16f exp16(v16f x) {
+    const v16f lo = {0}, big = {0};
+    const v16f cut = lo - 87.3365447f, magic = big + 12582912.0f;      /* 1.5 * 2^23: round to nearest */
+    const v16i under = x < cut;
+    v16f xc = (v16f)(((v16i)x & ~under) | ((v16i)cut & under));
+    const v16f nf = (xc * 1.44269504088896341f + magic) - magic;
+    const v16f r = (xc - nf * 0.693359375f) - nf * -2.12194440e-4f;
+    v16f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    const v16i e = (__builtin_convertvector(nf, v16i) + 127) << 23;
+    return (v16f)((v16i)(p * (v16f)e) & ~under);
+}
+
+/* p [S] scores -> softmax probabilities (max subtracted, float32), rounded to the cache dtype:
+   16 lanes at a time (the sum in 16 lanes, then pairwise: one fixed order), the tail one by one */
+static void softmax_row(float *p, int S, int dtype) {
+    float m = -INFINITY;
+    for (int s = 0; s < S; s++) m = p[s] > m ? p[s] : m;
+    v16f acc = {0};
+    int s = 0;
+    for (; s + 16 <= S; s += 16) {
+        const v16f e = exp16(ld16(p + s) - m);
+        memcpy(p + s, &e, sizeof e);
+        acc += e;
+    }
+    float t[16];
+    memcpy(t, &acc, sizeof t);
+    if (s < S) {
+        v16f x = {0};
+        float xs[16];
+        memcpy(xs, &x, sizeof xs);
+        for (int i = 0; s + i < S; i++) xs[i] = p[s + i] - m;
+        memcpy(&x, xs, sizeof x);
+        const v16f e = exp16(x);
+        memcpy(xs, &e, sizeof xs);
+        for (int i = 0; s + i < S; i++) { p[s + i] = xs[i]; t[i] += xs[i]; }
+    }
+    memcpy(&acc, t, sizeof t);
+    const float sum = hsum16(acc);
+    for (s = 0; s + 16 <= S; s += 16) {
+        const v16f q = ld16(p + s) / sum;
+        memcpy(p + s, &q, sizeof q);
+    }
+    for (; s < S; s++) p[s] = p[s] / sum;
+    round_row(dtype, p, S);
+}
+
+enum { ATT_TILE = 64 };     /* cache rows converted to float32 at a time (64 x D floats: in L1) */
+
 int attend_one(const float *q, const void *kc, const void *vc, int dtype, long sg, int S,
                int H, int G, int D, float scale, float *out) {
     const int hg = H / G;
-    const size_t per = (size_t)hg * D + (size_t)hg * S + D;
+    const size_t per = (size_t)hg * D + (size_t)hg * S + (size_t)ATT_TILE * D;
     float *buf = attn_scratch(per * G);
     if (!buf) return -2;
     #pragma omp parallel for schedule(static) num_threads(omp_team())
     for (int g = 0; g < G; g++) {
-        float *qr = buf + per * g, *sc = qr + (size_t)hg * D, *row = sc + (size_t)hg * S;
+        float *qr = buf + per * g, *sc = qr + (size_t)hg * D, *tile = sc + (size_t)hg * S;
         memcpy(qr, q + (long)g * hg * D, sizeof(float) * hg * D);
         round_row(dtype, qr, hg * D);
-        for (int s = 0; s < S; s++) {
-            row_load(kc, dtype, g * sg + (long)s * D, D, row);
-            int j = 0;
-            for (; j + 4 <= hg; j += 4) {
-                float d4[4];
-                dot16x4(qr + (long)j * D, D, row, D, d4);
-                for (int r = 0; r < 4; r++) sc[(long)(j + r) * S + s] = d4[r] * scale;
+        /* scores: each is dot16(q_j, k_s) (16 lanes, then pairwise), eight positions at a time */
+        for (int s0 = 0; s0 < S; s0 += ATT_TILE) {
+            const int n = S - s0 < ATT_TILE ? S - s0 : ATT_TILE;
+            for (int t = 0; t < n; t++) row_load(kc, dtype, g * sg + (long)(s0 + t) * D, D, tile + (long)t * D);
+            for (int j = 0; j < hg; j++) {
+                const float *qj = qr + (long)j * D;
+                float *sj = sc + (long)j * S + s0;
+                int t = 0;
+                if (D % 16 == 0)
+                    for (; t + 8 <= n; t += 8) {
+                        v16f acc[8] = {{0}};
+                        for (int d = 0; d < D; d += 16) {
+                            const v16f qv = ld16(qj + d);
+                            for (int i = 0; i < 8; i++) acc[i] += qv * ld16(tile + (long)(t + i) * D + d);
+                        }
+                        float r[8];
+                        hsum16x8(acc, r);
+                        for (int i = 0; i < 8; i++) sj[t + i] = r[i] * scale;
+                    }
+                for (; t < n; t++) sj[t] = dot16(qj, tile + (long)t * D, D) * scale;
             }
-            for (; j < hg; j++) sc[(long)j * S + s] = dot16(qr + (long)j * D, row, D) * scale;
         }
-        for (int j = 0; j < hg; j++) {
-            float *p = sc + (long)j * S, m = -INFINITY, sum = 0.f;
-            for (int s = 0; s < S; s++) m = p[s] > m ? p[s] : m;
-            for (int s = 0; s < S; s++) { p[s] = expf(p[s] - m); sum += p[s]; }
-            for (int s = 0; s < S; s++) p[s] = p[s] / sum;
-            round_row(dtype, p, S);
-        }
+        for (int j = 0; j < hg; j++) softmax_row(sc + (long)j * S, S, dtype);
+        /* out_j = sum over s in order of p_js * v_s: per 16 columns, the running sum in a register */
         float *o = out + (long)g * hg * D;
         memset(o, 0, sizeof(float) * hg * D);
-        for (int s = 0; s < S; s++) {
-            row_load(vc, dtype, g * sg + (long)s * D, D, row);
+        for (int s0 = 0; s0 < S; s0 += ATT_TILE) {
+            const int n = S - s0 < ATT_TILE ? S - s0 : ATT_TILE;
+            for (int t = 0; t < n; t++) row_load(vc, dtype, g * sg + (long)(s0 + t) * D, D, tile + (long)t * D);
             for (int j = 0; j < hg; j++) {
-                const float p = sc[(long)j * S + s];
+                const float *pj = sc + (long)j * S + s0;
                 float *oj = o + (long)j * D;
                 int d = 0;
                 for (; d + 16 <= D; d += 16) {
                     v16f acc = ld16(oj + d);
-                    acc += p * ld16(row + d);
+                    for (int t = 0; t < n; t++) acc += pj[t] * ld16(tile + (long)t * D + d);
                     memcpy(oj + d, &acc, sizeof acc);
                 }
-                for (; d < D; d++) oj[d] += p * row[d];
+                for (; d < D; d++) {
+                    float a = oj[d];
+                    for (int t = 0; t < n; t++) a += pj[t] * tile[(long)t * D + d];
+                    oj[d] = a;
+                }
             }
         }
     }
