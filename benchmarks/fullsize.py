@@ -40,13 +40,18 @@ def rand_tokens(n: int, seed: int, vocab: int = 151000) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(1000, vocab, n)]
 
 
+def context_for(a) -> int:
+    """Both engines' context: 1024, or the prompt and the decode steps with room to spare."""
+    return max(1024, a.prompt_tokens + a.decode_tokens + 64)
+
+
 # ---- workers (child processes) ---------------------------------------------------------------
 class LlamaEngine:
     def __init__(self, a) -> None:
         import llama_cpp
         if a.no_repack:
             llama_repack_off()
-        self.llm = llama_cpp.Llama(a.model, n_ctx=1024, n_batch=512, n_threads=THREADS,
+        self.llm = llama_cpp.Llama(a.model, n_ctx=context_for(a), n_batch=512, n_threads=THREADS,
                                    n_threads_batch=THREADS, verbose=False)
 
     def encode(self, text: str) -> list[int]:
@@ -86,7 +91,7 @@ class MawEngine:
         torch.set_num_threads(THREADS)
         self.torch = torch
         self.trace_out, self.recorder = a.trace_out, make_recorder(a)
-        self.rt = Runtime(a.pack, RuntimeOptions(context=1024, expert_cache_percent=a.cache_percent,
+        self.rt = Runtime(a.pack, RuntimeOptions(context=context_for(a), expert_cache_percent=a.cache_percent,
                                                  memory_budget_gib=a.budget_gib, prefill_chunk=a.prefill_chunk,
                                                  threads=THREADS, check_digests=False,
                                                  stream_embeddings=a.budget_gib is not None, prefetch=a.prefetch,
