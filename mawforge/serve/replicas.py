@@ -258,23 +258,24 @@ def application(a):
     return ingress.bind(replicas, names, a.model_id or Path(a.pack).resolve().name, a.api_key)
 
 
-def deploy(a) -> str:
-    """Deploy on the Ray cluster this process is connected to (ray.init done); returns the URL.
-    A replica whose plan does not fit raises BudgetRejected with the plan's reason."""
+def deploy(a, name: str = "mawforge", route_prefix: str = "/") -> str:
+    """Deploy on the Ray cluster this process is connected to (ray.init done) as the Ray Serve
+    application `name`; returns the URL. A replica whose plan does not fit raises BudgetRejected
+    with the plan's reason (the application is removed)."""
     from ray import serve
 
     check_room(replica_resources(a), a.replicas)
     serve.start(http_options={"host": a.host, "port": a.port})
     try:
-        serve.run(application(a), name="mawforge", route_prefix="/")
+        serve.run(application(a), name=name, route_prefix=route_prefix)
     except RuntimeError as e:
-        serve.delete("mawforge")
+        serve.delete(name)
         rejected = re.search(r"replica \S+ on \S+: plan rejected: [^\n]*", str(e))
         if rejected:
             raise BudgetRejected(rejected.group(0)) from None
         raise MawError(f"Ray Serve could not deploy the replicas: {str(e).strip().splitlines()[-1]}") from None
     host = f"[{a.host}]" if ":" in a.host else a.host
-    return f"http://{host}:{a.port}"
+    return f"http://{host}:{a.port}" + route_prefix.rstrip("/")
 
 
 def serve_replicas(a) -> int:
