@@ -249,6 +249,7 @@ def application(a):
 
     names = replica_names(a.replicas)
     options = dict(num_replicas=1, max_ongoing_requests=a.queue_size + 16, health_check_period_s=2.0,
+                   max_constructor_retry_count=1,              # a plan that does not fit will not fit again
                    health_check_timeout_s=30.0, graceful_shutdown_timeout_s=a.shutdown_grace_s,
                    ray_actor_options=replica_resources(a))
     replica = serve.deployment(Replica)
