@@ -7,7 +7,13 @@ event, not a hang, while the other replica's stream finishes; its conversations 
 replica while it is down, and Ray Serve restarts it. Routing itself (serve/affinity.py) is
 checked without Ray first."""
 import argparse
+import os
+import shutil
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
@@ -81,19 +87,54 @@ def serve_args(pack_dir, port, *extra) -> argparse.Namespace:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def demo_pack(tmp_path_factory):
+    out = tmp_path_factory.mktemp("replicas") / "pack"
+    pack(demo_gguf("Q4_K_M"), out, progress=False)
+    return out
+
+
+def test_the_command_serves_replicas_on_a_local_ray_and_stops_on_sigterm(demo_pack):
+    """`mawforge serve --replicas 2` with no --ray-address: a local Ray of its own, stopped with it."""
+    port, ray_dir = free_port(), tempfile.mkdtemp(prefix="ray")      # short: Ray's socket paths must fit 107 bytes
+    p = subprocess.Popen([sys.executable, "-m", "mawforge.cli", "serve", "--pack", str(demo_pack), "--replicas", "2",
+                          "--threads", "1", "--memory-budget-gib", "1.5", "--context", "512", "--model-id", MODEL,
+                          "--port", str(port)], stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "RAY_TMPDIR": ray_dir})
+    try:
+        said = []
+        for line in p.stderr:
+            said.append(line)
+            if "listening on" in line:
+                break
+        assert f"listening on http://127.0.0.1:{port} " in said[-1], "".join(said[-20:])
+        url = f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert ask(client, chat("Hi"), max_tokens=2)[0] in NAMES
+        assert {n for n, r in health(url).items() if r["up"]} == set(NAMES)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=120) == 0 and "stopped" in p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(ray_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(demo_pack, tmp_path_factory):
     import ray
     from ray import serve
 
     from mawforge.serve.replicas import deploy
 
-    root = tmp_path_factory.mktemp("replicas")
-    pack(demo_gguf("Q4_K_M"), root / "pack", progress=False)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=str(root / "ray"))
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _temp_dir=str(tmp_path_factory.mktemp("ray")))
     try:
-        a = serve_args(root / "pack", free_port())
-        url = deploy(a)
-        yield argparse.Namespace(url=url, pack=root / "pack", client=openai.OpenAI(
+        url = deploy(serve_args(demo_pack, free_port()))
+        yield argparse.Namespace(url=url, pack=demo_pack, client=openai.OpenAI(
             base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120))
         serve.shutdown()
     finally:
@@ -163,7 +204,7 @@ def test_a_replica_killed_mid_stream_fails_its_stream_the_other_goes_on_and_ray_
     client, url = cluster.client, cluster.url
     by = conversations(client)
     victim, survivor = NAMES
-    assert len(by[victim]) >= 2
+    assert len(by[victim]) >= 3
     before = health(url)
     long = dict(max_tokens=1800, temperature=0, stream=True, extra_body={"ignore_eos": True})
     other: dict = {}
@@ -174,7 +215,13 @@ def test_a_replica_killed_mid_stream_fails_its_stream_the_other_goes_on_and_ray_
             other["replica"] = r.headers["x-mawforge-replica"]
             other["chunks"] = sum(1 for c in r.parse() if c.choices and c.choices[0].delta.content is not None)
 
-    t = threading.Thread(target=survivor_stream)
+    def queued_behind():                                       # a plain request waiting on the victim
+        try:
+            client.chat.completions.create(model=MODEL, messages=by[victim][2], **{**long, "stream": False})
+        except openai.APIStatusError as e:
+            other["queued"] = (e.status_code, e.code)
+
+    t, q = threading.Thread(target=survivor_stream), threading.Thread(target=queued_behind)
     t.start()
     actor = ray.get_actor(before[victim]["info"]["actor_name"], namespace="serve")
     got = 0
@@ -184,18 +231,20 @@ def test_a_replica_killed_mid_stream_fails_its_stream_the_other_goes_on_and_ray_
             assert r.headers["x-mawforge-replica"] == victim
             for _ in r.parse():
                 got += 1
+                if got == 1:
+                    q.start()
+                    time.sleep(0.3)
                 if got == 5:
                     ray.kill(actor, no_restart=False)          # the replica's process dies mid-stream
+    moved = by[victim][1]                                     # while it is down, its conversations go to
+    assert ask(client, moved, max_tokens=2, temperature=0)[0] == survivor    # the other replica
     assert 5 <= got < 1800
     t.join(120)
-    assert not t.is_alive() and other == {"replica": survivor, "chunks": 1800}
-    # while it is down, its conversations go to the other replica; Ray Serve restarts it
-    deadline = time.monotonic() + 120
-    while health(url)[victim]["up"] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    moved = by[victim][1]
-    assert ask(client, moved, max_tokens=2, temperature=0)[0] == survivor
-    while not (h := health(url))[victim]["up"] and time.monotonic() < deadline:
+    q.join(120)
+    assert not t.is_alive() and other == {"replica": survivor, "chunks": 1800, "queued": (503, "replica_unavailable")}
+    deadline = time.monotonic() + 120                          # Ray Serve restarts it: a new process
+    while not ((h := health(url))[victim]["up"] and h[victim]["info"]["pid"] != before[victim]["info"]["pid"]) \
+            and time.monotonic() < deadline:
         time.sleep(0.5)
     assert h[victim]["up"] and h[victim]["info"]["pid"] != before[victim]["info"]["pid"]
     assert ask(client, by[victim][0], max_tokens=2, temperature=0)[0] == victim   # it serves again

@@ -270,10 +270,12 @@ def deploy(a, name: str = "mawforge", route_prefix: str = "/") -> str:
     try:
         serve.run(application(a), name=name, route_prefix=route_prefix)
     except RuntimeError as e:
+        status = serve.status().applications.get(name)        # the replicas' own errors are in their status
+        said = str(e) + "".join(f"\n{d.message}" for d in (status.deployments.values() if status else ()))
         serve.delete(name)
-        rejected = re.search(r"replica \S+ on \S+: plan rejected: [^\n]*", str(e))
+        rejected = re.search(r"BudgetRejected: (replica \S+ on \S+: plan rejected: [^\n]*)", said)
         if rejected:
-            raise BudgetRejected(rejected.group(0)) from None
+            raise BudgetRejected(rejected.group(1)) from None
         raise MawError(f"Ray Serve could not deploy the replicas: {str(e).strip().splitlines()[-1]}") from None
     host = f"[{a.host}]" if ":" in a.host else a.host
     return f"http://{host}:{a.port}" + route_prefix.rstrip("/")
@@ -286,7 +288,7 @@ def serve_replicas(a) -> int:
 
     if a.port == 0:
         raise MawError("--port 0 is not supported with --replicas (Ray Serve's proxy needs a fixed port)")
-    ray.init(address=a.ray_address, include_dashboard=False, log_to_driver=False)
+    ray.init(address=a.ray_address or "local", include_dashboard=False, log_to_driver=False)
     try:
         try:
             url = deploy(a)
