@@ -57,11 +57,14 @@ def build_replica_app(a, name: str):
                     dashboard=a.dashboard, max_body_bytes=a.max_body_bytes, responses_store=store_from_args(a),
                     **chat)
     closers = [c for c in (spec.close if spec is not None else None, rt.close) if c is not None]
+    if recorder is not None:                   # --trace-out t.npz: replica r1 saves t.r1.npz when it stops
+        closers.append(lambda: recorder.save(_per_replica(a.trace_out, name)))
     return app, closers
 
 
 def _per_replica(path: str | None, name: str) -> str | None:
-    """--telemetry-log x.jsonl: replica r1 writes x.r1.jsonl (replicas on one node share a disk)."""
+    """--telemetry-log x.jsonl: replica r1 writes x.r1.jsonl (replicas on one node share a disk);
+    --trace-out likewise."""
     if path is None:
         return None
     p = Path(path)

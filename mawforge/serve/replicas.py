@@ -127,6 +127,7 @@ class Ingress:
         if not order:
             return _error(503, "no replica is up (Ray is restarting them); retry shortly", "no_replica_up", 1)
         name = order[0]
+        self.routed[name] += 1
         response = await self._forward(name, request, body)
         if response.status_code < 500:
             self.affinity.routed(name, digests, response.headers.get("x-request-id")
@@ -150,9 +151,10 @@ class Ingress:
 
     async def _forward(self, name: str, request: Request, body: bytes, path: str | None = None) -> Response:
         """The request through replica `name`; a replica that dies or cannot be reached is a 503."""
-        self.routed[name] += 1
-        gen = self.handles[name].options(stream=True).http.remote(self._request(request, body, path or
-                                                                                  request.url.path))
+        return await self._call(name, self._request(request, body, path or request.url.path), request.url.path)
+
+    async def _call(self, name: str, req: dict, path: str) -> Response:
+        gen = self.handles[name].options(stream=True).http.remote(req)
         try:
             _, status, headers = await gen.__anext__()
         except Exception as e:                # noqa: BLE001 - the replica died or is unreachable
@@ -160,11 +162,14 @@ class Ingress:
             return self._lost(name, e)
         headers = {k: v for k, v in headers if k.lower() not in HOP}
         if headers.get("content-type", "").startswith("text/event-stream"):
-            return StreamingResponse(self._relay(name, gen, request.url.path), status_code=status, headers=headers)
+            return StreamingResponse(self._relay(name, gen, path), status_code=status, headers=headers)
         chunks = []
         try:
             async for _, chunk in gen:
                 chunks.append(chunk)
+        except asyncio.CancelledError:        # the client left: so does the replica's job
+            gen.cancel()
+            raise
         except Exception as e:                # noqa: BLE001
             return self._lost(name, e)
         return Response(b"".join(chunks), status_code=status, headers=headers)
@@ -194,11 +199,11 @@ class Ingress:
     async def _metrics(self, request: Request) -> Response:
         names = [n for n in self.names if n in self.up]
         texts = {}
-        for name in names:
-            try:
-                r = await self._forward(name, request, b"", "/metrics")
-            except Exception:                 # noqa: BLE001
-                continue
+        auth = [(k, v) for k, v in request.headers.items() if k.lower() == "authorization"]
+        for name in names:                    # each replica's exposition in the Prometheus text format, parsed here
+            req = {"method": "GET", "path": "/metrics", "query": "", "body": b"", "client": None,
+                   "headers": auth + [("accept", "text/plain")]}
+            r = await self._call(name, req, "/metrics")
             if r.status_code == 401:
                 return r
             if r.status_code == 200:
