@@ -193,7 +193,7 @@ def test_both_replicas_answer_and_each_conversation_returns_to_its_replica(clust
         assert f'mawforge_planned_footprint_bytes{{replica="{name}"}}' in metrics
     page = httpx.get(cluster.url + "/", timeout=30)
     assert page.status_code == 200 and "replicas/r0/" in page.text and "replicas/r1/" in page.text
-    board = httpx.get(cluster.url + "/replicas/r1/", timeout=30)
+    board = httpx.get(cluster.url + "/replicas/r1", timeout=30, follow_redirects=True)
     assert board.status_code == 200 and "dashboard/static/dashboard.js" in board.text
     assert httpx.get(cluster.url + "/replicas/r1/dashboard/api/requests", timeout=30).status_code == 200
 

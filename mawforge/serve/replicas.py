@@ -25,7 +25,7 @@ import sys
 from urllib.parse import unquote
 
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 
 from mawforge.errors import BudgetRejected, MawError
 from mawforge.serve.affinity import Affinity
@@ -94,9 +94,11 @@ class Ingress:
             holder = self.affinity.holder(rid)
             return await self._first_found(request, body, [holder] if holder else self.names)
         if path.startswith("/replicas/"):
-            name, _, rest = path[len("/replicas/"):].partition("/")
+            name, slash, rest = path[len("/replicas/"):].partition("/")
             if name not in self.handles:
                 return _error(404, f"no replica named {name!r} (replicas: {', '.join(self.names)})", "not_found")
+            if not slash:                     # the dashboard's paths are relative to /replicas/NAME/
+                return RedirectResponse(f"/replicas/{name}/", status_code=307)
             return await self._forward(name, request, body, "/" + rest)
         if path == "/metrics" and method == "GET":
             return await self._metrics(request)
