@@ -37,7 +37,7 @@ from mawforge.serve import limits
 from mawforge.serve import protocol as P
 from mawforge.serve.chatreq import ChatDefaults, ChatFront, Turn, parse_chat_options
 from mawforge.serve.choices import Answer
-from mawforge.serve.servecli import add_chat_arguments, chat_settings
+from mawforge.serve.servecli import add_chat_arguments, add_replica_arguments, chat_settings
 from mawforge.serve.structured import request_constraint
 from mawforge.serve.dashboard import Board
 from mawforge.serve.metrics import Metrics, prompt_cache_gauges
@@ -362,6 +362,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     add_chat_arguments(p)
     add_responses_arguments(p)
+    add_replica_arguments(p)
 
 
 def main(a: argparse.Namespace) -> int:
@@ -371,6 +372,9 @@ def main(a: argparse.Namespace) -> int:
     from mawforge.commands.speculative import uses_draft_pack
     from mawforge.commands.plan import pair_plan_from_args
     from mawforge.plan import PackFacts, framework_in_process
+    if a.replicas != 1 or a.ray_address is not None:      # N replicas on Ray Serve, each planned where it runs
+        from mawforge.serve.replicas import serve_replicas
+        return serve_replicas(a)
     opts = runtime_options(a)
     if a.dashboard:                              # its kept route traces are planned in O
         from mawforge.serve.dashboard import kept_trace_bytes

@@ -1,6 +1,7 @@
 """`mawforge serve` options for chat templates, reasoning and tool calls, named as llama-server
 names them (--chat-template-file, --chat-template-kwargs, --reasoning-format, --reasoning,
---reasoning-effort), plus the testing hook --allow-forced-output."""
+--reasoning-effort), plus the testing hook --allow-forced-output, and the replica options
+(--replicas, --ray-address: serve/replicas.py)."""
 from __future__ import annotations
 
 import argparse
@@ -54,3 +55,15 @@ def chat_settings(a: argparse.Namespace) -> dict:
             raise MawError("--chat-template-kwargs must be a JSON object")
     return {"chat_template": template, "allow_forced_output": a.allow_forced_output,
             "chat_defaults": ChatDefaults(a.reasoning_format, a.reasoning, a.reasoning_effort, kwargs)}
+
+
+def add_replica_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("replicas on a Ray cluster (Ray Serve; docs/replicas.md)")
+    g.add_argument("--replicas", type=int, default=1,
+                   help="serve N replicas with Ray Serve behind one endpoint; each plans its own "
+                        "--memory-budget-gib on its node (default 1: this process, no Ray)")
+    g.add_argument("--ray-address", default=None,
+                   help="the Ray cluster to deploy on: auto (the one `ray start` made here), ray://HOST:10001, "
+                        "or none given: a local Ray started for this server")
+    g.add_argument("--replica-cpus", type=float, default=None,
+                   help="Ray CPUs each replica takes (default: --threads, else 1)")

@@ -4,6 +4,8 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
+// the server's root: "" at /, "/replicas/NAME" when a replica's page is shown through `serve --replicas`
+const ROOT = location.pathname.replace(/\/[^/]*$/, "");
 const state = { hello: null, cells: null, charts: {}, messages: [], frames: 0, selected: null, lastFrame: null };
 const HISTORY = 150;                 // chart points kept (30 s at 200 ms)
 const FADE = 5;                      // frames an event stays visible on the heatmap
@@ -52,7 +54,7 @@ function authHeaders() {
 
 // ---- the event stream ---------------------------------------------------------------------
 function connect() {
-  const es = new EventSource("/dashboard/events");
+  const es = new EventSource(ROOT + "/dashboard/events");
   es.addEventListener("hello", (e) => onHello(JSON.parse(e.data)));
   es.addEventListener("frame", (e) => onFrame(JSON.parse(e.data)));
   es.addEventListener("requests", (e) => onRequests(JSON.parse(e.data)));
@@ -219,7 +221,7 @@ async function replay(rid) {
   document.querySelectorAll("#requests tbody tr").forEach((tr) => tr.classList.toggle("selected", tr.dataset.requestId === rid));
   const box = $("replay");
   box.textContent = "replaying " + rid + "…";
-  const r = await fetch("/dashboard/api/replay/" + encodeURIComponent(rid), { headers: authHeaders() });
+  const r = await fetch(ROOT + "/dashboard/api/replay/" + encodeURIComponent(rid), { headers: authHeaders() });
   const d = await r.json();
   if (!r.ok) { box.textContent = d.error ? d.error.message : "replay failed"; return; }
   const bar = (label, rate, cls, note) => `<div class="bar" data-testid="replay-row"><span>${label}</span>` +
@@ -262,7 +264,7 @@ async function send(ev) {
   out.dataset.state = "streaming";
   let reply = "", rid = null, telemetry = null;
   try {
-    const r = await fetch("/v1/chat/completions", {
+    const r = await fetch(ROOT + "/v1/chat/completions", {
       method: "POST", headers: { "Content-Type": "application/json", ...authHeaders() },
       body: JSON.stringify({ model: state.hello.model, messages: state.messages, stream: true,
         max_tokens: Number($("max-tokens").value), temperature: Number($("temperature").value),

@@ -1,0 +1,156 @@
+"""One replica of `mawforge serve --replicas N`: a Ray Serve deployment that runs the very app of
+`mawforge serve` (serve/app.py build_app: the same engine worker, Ledger, dashboard and
+telemetry) on whatever node Ray placed it.
+
+Its constructor makes the plan there, before the model loads: the node's measured framework
+bytes under this replica's own --memory-budget-gib (which Ray also reserved as the `memory`
+resource when it placed the replica); a plan that does not fit refuses to start with the plan's
+one-line reason, and the deployment fails with it. The ingress (serve/replicas.py) hands each
+HTTP request over as a plain dict through a Ray Serve handle; `http` runs it through the app's
+ASGI interface and streams back the status line, then the body as it is sent. A caller that goes
+away (the client disconnected, the ingress cancelled the call) is the app's http.disconnect, so
+the engine stops the job as it does for a client of a single server.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from dataclasses import replace
+from pathlib import Path
+
+from mawforge.errors import BudgetRejected
+
+START, BODY = "start", "body"         # the kinds of what `http` yields: (START, status, headers), (BODY, bytes)
+
+
+def build_replica_app(a, name: str):
+    """(app, closers): `mawforge serve`'s app for the options `a`, planned here first."""
+    from mawforge.commands.plan import pair_plan_from_args
+    from mawforge.commands.run import make_recorder, runtime_options
+    from mawforge.commands.speculative import speculator_from_args, uses_draft_pack
+    from mawforge.engine.runtime import Runtime, plan_for_options
+    from mawforge.plan import PackFacts, framework_in_process
+    from mawforge.serve.app import build_app
+    from mawforge.serve.dashboard import kept_trace_bytes
+    from mawforge.serve.responses import store_from_args
+    from mawforge.serve.servecli import chat_settings
+
+    opts = runtime_options(a)
+    if a.dashboard:
+        opts = replace(opts, extra_overhead_bytes=kept_trace_bytes(PackFacts.from_pack(a.pack).top_k))
+    chat = chat_settings(a)
+    run_plan = None
+    if uses_draft_pack(a):
+        plan = pair_plan_from_args(a)
+        opts = replace(runtime_options(a, plan.draft.L), extra_overhead_bytes=opts.extra_overhead_bytes)
+    else:
+        plan = run_plan = plan_for_options(PackFacts.from_pack(a.pack), opts, framework_in_process())
+    if not plan.feasible:
+        raise BudgetRejected(f"replica {name} on {socket.gethostname()}: plan rejected: {plan.reason}")
+    recorder = make_recorder(a)
+    rt = Runtime(a.pack, opts, recorder=recorder, plan=run_plan)
+    spec = speculator_from_args(rt, a)
+    model_id = a.model_id or Path(a.pack).resolve().name
+    app = build_app(rt, model_id, api_key=a.api_key, max_tokens_default=a.max_tokens_default,
+                    queue_size=a.queue_size, telemetry_log=_per_replica(a.telemetry_log, name), speculator=spec,
+                    dashboard=a.dashboard, max_body_bytes=a.max_body_bytes, responses_store=store_from_args(a),
+                    **chat)
+    closers = [c for c in (spec.close if spec is not None else None, rt.close) if c is not None]
+    if recorder is not None:                   # --trace-out t.npz: replica r1 saves t.r1.npz when it stops
+        closers.append(lambda: recorder.save(_per_replica(a.trace_out, name)))
+    return app, closers
+
+
+def _per_replica(path: str | None, name: str) -> str | None:
+    """--telemetry-log x.jsonl: replica r1 writes x.r1.jsonl (replicas on one node share a disk);
+    --trace-out likewise."""
+    if path is None:
+        return None
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.{name}{p.suffix}"))
+
+
+class Replica:
+    """The deployment class (serve/replicas.py wraps it in serve.deployment, one deployment per
+    replica so the ingress can address each). Ray Serve runs every method on one event loop."""
+
+    def __init__(self, args, name: str):
+        import ray
+
+        self.name, self.args = name, args
+        self.app, self.closers = build_replica_app(args, name)
+        ctx = ray.get_runtime_context()
+        self.info = {"replica": name, "pid": os.getpid(), "host": socket.gethostname(), "node_id": ctx.get_node_id(),
+                     "actor_name": ctx.get_actor_name(), "plan": _plan(self.app)}
+        self.life = None                       # the app's lifespan (engine thread), entered on the loop
+
+    async def _started(self) -> None:
+        if self.life is None:
+            self.life = self.app.router.lifespan_context(self.app)
+            await self.life.__aenter__()
+
+    async def ping(self) -> dict:
+        """Who and where this replica is, once its engine runs (the ingress's health probe)."""
+        await self._started()
+        worker = self.app.state.worker
+        return {**self.info, "queue_depth": worker.queue_depth, "busy": worker.current is not None,
+                "closing": worker.closing}
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: a replica whose engine thread died is replaced."""
+        worker = self.app.state.worker
+        if self.life is not None and not worker.thread.is_alive() and not worker.closing:
+            raise RuntimeError(f"replica {self.name}: the engine thread is gone")
+
+    async def http(self, req: dict):
+        """One HTTP request through the app: yields (START, status, headers), then (BODY, bytes)..."""
+        await self._started()
+        sent: asyncio.Queue = asyncio.Queue()
+        gone = asyncio.Event()
+        body = [req["body"]]
+
+        async def receive():
+            if body:
+                return {"type": "http.request", "body": body.pop(), "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            await sent.put(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.1"}, "http_version": "1.1",
+                 "method": req["method"], "scheme": "http", "path": req["path"], "raw_path": req["path"].encode(),
+                 "query_string": req["query"].encode(), "root_path": "",
+                 "headers": [(k.encode().lower(), v.encode()) for k, v in req["headers"]],
+                 "client": tuple(req["client"]) if req.get("client") else None, "server": None, "app": self.app}
+        task = asyncio.ensure_future(self.app(scope, receive, send))
+        task.add_done_callback(lambda t: sent.put_nowait(None))
+        try:
+            while (message := await sent.get()) is not None:
+                if message["type"] == "http.response.start":
+                    headers = [(k.decode(), v.decode()) for k, v in message.get("headers", [])]
+                    yield START, message["status"], headers + [("x-mawforge-replica", self.name)]
+                elif message["type"] == "http.response.body":
+                    if message.get("body"):
+                        yield BODY, message["body"]
+                    if not message.get("more_body", False):
+                        break
+        finally:
+            gone.set()                          # the caller left (or the answer is whole): the app's disconnect
+            if not task.done():
+                await asyncio.wait([task], timeout=5)
+
+    async def __del__(self):
+        """Ray Serve's graceful shutdown: the engine stops (queued jobs get their 503), the runtime closes."""
+        if self.life is not None:
+            life, self.life = self.life, None
+            await life.__aexit__(None, None, None)
+        for close in self.closers:
+            close()
+
+
+def _plan(app) -> dict:
+    p = app.state.api.rt.plan
+    return {"C": p.C, "E": p.E, "K": p.K, "P": p.P, "O": p.O, "F": p.F, "budget_bytes": p.budget_bytes,
+            "budget_source": p.budget_source, "feasible": p.feasible}
