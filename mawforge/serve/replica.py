@@ -55,6 +55,7 @@ def build_replica_app(a, name: str):
     app = build_app(rt, model_id, api_key=a.api_key, max_tokens_default=a.max_tokens_default,
                     queue_size=a.queue_size, telemetry_log=_per_replica(a.telemetry_log, name), speculator=spec,
                     dashboard=a.dashboard, max_body_bytes=a.max_body_bytes, responses_store=store_from_args(a),
+                    max_batch=getattr(a, "max_batch", 1), request_timeout_s=getattr(a, "request_timeout_s", None),
                     **chat)
     closers = [c for c in (spec.close if spec is not None else None, rt.close) if c is not None]
     if recorder is not None:                   # --trace-out t.npz: replica r1 saves t.r1.npz when it stops
