@@ -187,6 +187,9 @@ class MoETransformer:
         self.layers = bind_layers(cfg, weights)
         # the one-token attention step in one native call, where it gives the same bits (fastpath.py)
         self.decode_attention = DecodeAttention.plan(self)
+        # a batch's coordinator (engine/batch.py): gate(model, rows) -> the rows' logits once the LM
+        # head ran over every sequence of the step, or None to compute them here at once
+        self.gate = None
 
     # ---- hooks -------------------------------------------------------------------------
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -293,7 +296,12 @@ class MoETransformer:
         h = self.hidden(tokens, pos0, kv, last_only=not (all_logits or keep), chunk=chunk, on_layer=on_layer)
         if keep:
             self.keep_hidden(pos0, h)
-        return self.logits(h if all_logits else h[-1:])
+        rows = h if all_logits else h[-1:]
+        if self.gate is not None:           # a batch's step: one LM head call for all its sequences
+            out = self.gate(self, rows)
+            if out is not None:
+                return out
+        return self.logits(rows)
 
     def hidden(self, tokens: torch.Tensor, pos0: int, kv, last_only: bool = False, chunk: int | None = None,
                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:

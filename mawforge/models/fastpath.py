@@ -60,6 +60,10 @@ class DecodeAttention:
         # the whole-layer step: per-layer arguments (None: not planned), the tensors they point
         # into (kept alive here), the KV cache they are bound to, and the step's buffers
         self.whole, self._keep, self._kv = whole, keep, None
+        # a batch's coordinator (engine/batch.py): gate(fast, layer, h, pos, cos, sin) -> this row's
+        # (x, routed) once native.decode_layer_rows ran the layer for every sequence of the step,
+        # or None to run the layer here at once
+        self.gate = None
         if whole is not None:
             self.model_args = native.ModelArgs(C=cfg.hidden, H=h, G=g, D=d, E=cfg.n_experts, topk=cfg.top_k,
                                                renorm=int(cfg.norm_topk_prob), neox=int(model.rope.layout == "neox"),
@@ -157,6 +161,10 @@ class DecodeAttention:
         routed = (idx, wts) if self.routes else None
 
         def step(layer: int, hh: torch.Tensor):
+            if self.gate is not None:       # a batch's step: the layer runs once for all its sequences
+                out = self.gate(self, layer, hh, pos, cos, sin)
+                if out is not None:
+                    return out
             run(whole[layer], margs, hh, pos, cos, sin, buf, x, idx, wts)
             return x, routed
         return step

@@ -72,7 +72,8 @@ _SIGNATURES = (("qgemm", [_I, _P, _I, _I, _P, _I, _P]),
                ("kv_put", [_P, _P, _P, _P, _I, _I, _I, ctypes.c_long, _I]),
                ("attend_one", [_P, _P, _P, _I, ctypes.c_long, _I, _I, _I, _I, ctypes.c_float, _P]),
                ("route_topk", [_P, _I, _P, _I, _I, _I, _P, _P, _P]),
-               ("decode_layer", [_P, _P, _P, _I, _P, _P, _P, _P, _P, _P]))
+               ("decode_layer", [_P, _P, _P, _I, _P, _P, _P, _P, _P, _P]),
+               ("decode_layer_rows", [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P]))
 _VOID = ("set_threads", "rms_norm_rows", "rope_rows", "kv_put", "route_topk")
 # the KV cache dtypes attend_one and decode_layer read and write (decode_step.c's KV_* codes)
 KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -393,3 +394,22 @@ def decode_layer(layer: LayerArgs, model: ModelArgs, h: torch.Tensor, pos: int, 
                           buf.data_ptr(), x.data_ptr(), idx.data_ptr(), w.data_ptr())
     if rc != 0:
         raise ValueError("native decode_layer: " + ("unsupported weight type" if rc == -1 else "out of memory"))
+
+
+def decode_layer_rows(layers: list, model: ModelArgs, h: torch.Tensor, pos: list[int], cos: torch.Tensor,
+                      sin: torch.Tensor, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> None:
+    """decode_layer for one token of each of B sequences (a batch's decode step): layers[i] is row
+    i's LayerArgs (the same weights, its own KV cache); h [B, C] updated in place; x [B, C], idx
+    [B, k] int64, w [B, k] written; cos/sin [B, D/2] each row's rotation. The layer's weights are
+    read once for all rows; each row gets decode_layer's bits."""
+    lib = library()
+    _sync_threads(lib)
+    b = len(layers)
+    arr = (ctypes.c_void_p * b)(*[ctypes.addressof(a) for a in layers])
+    p = (ctypes.c_int * b)(*pos)
+    n = b * ((3 * model.H + 2 * model.G) * model.D + model.C) + model.E
+    buf = torch.empty(n, dtype=torch.float32)
+    rc = lib.decode_layer_rows(arr, b, ctypes.byref(model), h.data_ptr(), p, cos.data_ptr(), sin.data_ptr(),
+                               buf.data_ptr(), x.data_ptr(), idx.data_ptr(), w.data_ptr())
+    if rc != 0:
+        raise ValueError("native decode_layer_rows: " + ("unsupported weight type" if rc == -1 else "out of memory"))

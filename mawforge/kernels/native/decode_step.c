@@ -392,3 +392,56 @@ int decode_layer(const struct dl_layer *L, const struct dl_model *m, float *h, i
     if (L->router) route_topk(xf, C, L->router, m->E, m->topk, m->renorm, probs, idx, w);
     return 0;
 }
+
+/* project() over B rows: one qgemm of B rows (each row the bits of a one-row call), then the bias,
+   norms and rotation row by row (rotation by each row's own cos/sin row [B, D/2]). */
+static int project_rows(const float *x, int B, int C, const uint8_t *w, int type, const float *b, int heads, int D,
+                        int kind, const float *nw, float eps, const float *cs, const float *sn, int neox, int rope,
+                        float *y) {
+    const int n = heads * D;
+    if (qgemm(type, x, B, C, w, n, y) != 0) return -1;
+    if (b)
+        for (int r = 0; r < B; r++)
+            for (int i = 0; i < n; i++) y[(long)r * n + i] = y[(long)r * n + i] + b[i];
+    if (kind == NORM_HEAD) rms_norm_rows(y, B * heads, D, nw, eps, y);
+    else if (kind == NORM_FULL) rms_norm_rows(y, B, n, nw, eps, y);
+    if (rope) rope_rows(y, B, heads, D, cs, sn, neox, y);
+    return 0;
+}
+
+/* decode_layer for one token of each of B sequences at once: the layer's weights (Ls[0]'s; every
+   Ls[i] binds the same ones) are read once for all B rows (the q/k/v and output projections as one
+   qgemm of B rows), while each row writes and attends to its own KV cache (Ls[i]->kc/vc) at its own
+   position pos[i], rotated by its own cs/sn row. h, xf [B, C]; idx, w [B, topk]; cs, sn [B, D/2];
+   buf: B * ((3H + 2G) * D + C) + E floats. Each row gets decode_layer's bits. Returns as it does. */
+int decode_layer_rows(const struct dl_layer *const *Ls, int B, const struct dl_model *m, float *h, const int *pos,
+                      const float *cs, const float *sn, float *buf, float *xf, int64_t *idx, float *w) {
+    const int C = m->C, H = m->H, G = m->G, D = m->D;
+    const struct dl_layer *L = Ls[0];
+    float *xn = buf, *q = xn + (long)B * C, *k = q + (long)B * H * D, *v = k + (long)B * G * D;
+    float *a = v + (long)B * G * D, *o = a + (long)B * H * D, *probs = o + (long)B * C;
+    rms_norm_rows(h, B, C, L->attn_norm, m->eps, xn);
+    if (project_rows(xn, B, C, L->wq, L->tq, L->bq, H, D, L->kind, L->nq, m->eps, cs, sn, m->neox, 1, q) ||
+        project_rows(xn, B, C, L->wk, L->tk, L->bk, G, D, L->kind, L->nk, m->eps, cs, sn, m->neox, 1, k) ||
+        project_rows(xn, B, C, L->wv, L->tv, L->bv, G, D, NORM_NONE, 0, m->eps, cs, sn, m->neox, 0, v)) return -1;
+    for (int i = 0; i < B; i++) {
+        const struct dl_layer *Li = Ls[i];
+        kv_put(k + (long)i * G * D, v + (long)i * G * D, Li->kc, Li->vc, Li->kv_dtype, G, D, Li->kv_stride, pos[i]);
+        int rc = attend_one(q + (long)i * H * D, Li->kc, Li->vc, Li->kv_dtype, Li->kv_stride, pos[i] + 1, H, G, D,
+                            m->scale, a + (long)i * H * D);
+        if (rc) return rc;
+    }
+    if (qgemm(L->to, a, B, H * D, L->wo, C, o)) return -1;
+    for (int r = 0; r < B; r++) {
+        float *hr = h + (long)r * C, *orow = o + (long)r * C;
+        if (L->bo)
+            for (int i = 0; i < C; i++) orow[i] = orow[i] + L->bo[i];
+        for (int i = 0; i < C; i++) hr[i] = hr[i] + orow[i];
+    }
+    rms_norm_rows(h, B, C, L->ffn_norm, m->eps, xf);
+    if (L->router)
+        for (int r = 0; r < B; r++)
+            route_topk(xf + (long)r * C, C, L->router, m->E, m->topk, m->renorm, probs,
+                       idx + (long)r * m->topk, w + (long)r * m->topk);
+    return 0;
+}
