@@ -54,10 +54,12 @@ def work_maw(a) -> dict:
     import torch
 
     from mawforge.engine.runtime import Runtime, RuntimeOptions
+    from mawforge.plan import Budget
     torch.set_num_threads(THREADS)
     t0 = time.perf_counter()
+    budget = None if a.budget_gib is None else Budget.from_gib(a.budget_gib, "--budget-gib")
     rt = Runtime(a.pack, RuntimeOptions(context=512, expert_cache_percent=a.cache_percent,
-                                        memory_budget_gib=a.budget_gib, prefill_chunk=64, threads=THREADS,
+                                        budget=budget, prefill_chunk=64, threads=THREADS,
                                         check_digests=False, stream_embeddings=a.stream_embeddings,
                                         thread_governor=not a.no_thread_governor))
     if a.preload:

@@ -88,11 +88,13 @@ class MawEngine:
 
         from mawforge.engine.runtime import Runtime, RuntimeOptions
         from mawforge.commands.run import make_recorder
+        from mawforge.plan import Budget
         torch.set_num_threads(THREADS)
         self.torch = torch
         self.trace_out, self.recorder = a.trace_out, make_recorder(a)
+        budget = None if a.budget_gib is None else Budget.from_gib(a.budget_gib, "--budget-gib")
         self.rt = Runtime(a.pack, RuntimeOptions(context=context_for(a), expert_cache_percent=a.cache_percent,
-                                                 memory_budget_gib=a.budget_gib, prefill_chunk=a.prefill_chunk,
+                                                 budget=budget, prefill_chunk=a.prefill_chunk,
                                                  threads=THREADS, check_digests=False,
                                                  stream_embeddings=a.budget_gib is not None, prefetch=a.prefetch,
                                                  io_threads=a.io_threads, policy=a.policy), recorder=self.recorder)

@@ -10,7 +10,11 @@ each call with its telemetry. The `mawforge run` command stands on it.
 
 `load` takes a pack directory, or a GGUF file or Hugging Face directory that it packs on first
 use into a cache directory (atomically: a pack is either whole or absent) and reuses after.
-Errors are MawError subclasses with the CLI's one-line messages.
+Errors are MawError subclasses with the CLI's one-line messages. `memory_budget_gib` also takes a
+plan.Budget (bytes and the source the plan's table names), which is how the commands pass theirs.
+The commands stand on this module: a configuration becomes a plan only through
+engine/options.py's plan_for_options (`plan_for`, the runtime `load` opens), and `mawforge run`
+and `serve` open their model with Model.from_options.
 """
 from __future__ import annotations
 
@@ -20,14 +24,18 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
-from mawforge.engine.generate import Event, generate
-from mawforge.engine.runtime import Runtime, RuntimeOptions
-from mawforge.engine.sampling import SamplingParams
+from mawforge.engine.options import RuntimeOptions, plan_for_options
 from mawforge.errors import FormatError, MawError, RequestError
-from mawforge.plan import PREFILL_WAVE, Plan, PackFacts, make_plan
+from mawforge.plan import API_SOURCE, PREFILL_WAVE, Budget, PackFacts, Plan
 from mawforge.telemetry import Telemetry
+
+if TYPE_CHECKING:             # torch loads with the first model, not with `plan_for` (bench, tune)
+    from mawforge.engine.generate import Event
+    from mawforge.engine.runtime import Runtime
+    from mawforge.engine.sampling import SamplingParams
+    from mawforge.speculative.decode import SpecOptions
 
 __all__ = ["load", "plan_for", "open_pack", "Model", "Completion", "ChatReply", "ModelClosed", "Busy"]
 
@@ -77,15 +85,24 @@ def open_pack(path: str | os.PathLike, cache_dir: str | os.PathLike | None = Non
     return out
 
 
-def plan_for(path: str | os.PathLike, *, memory_budget_gib: float | None = None, context: int = 4096,
+def as_budget(memory_budget_gib: float | Budget | None) -> Budget | None:
+    """The API's budget argument as a Budget: GiB given here, or a Budget passed through."""
+    if memory_budget_gib is None or isinstance(memory_budget_gib, Budget):
+        return memory_budget_gib
+    return Budget.from_gib(memory_budget_gib, API_SOURCE)
+
+
+def plan_for(path: str | os.PathLike, *, memory_budget_gib: float | Budget | None = None, context: int = 4096,
              expert_cache_percent: float | None = None, expert_cache_gib: float | None = None,
              kv_dtype: str | None = None, prefill_chunk: int = 128, prefill_wave: int = PREFILL_WAVE,
-             prompt_cache_gib: float | None = None) -> Plan:
-    """The static plan of a pack under a budget, without loading it (`mawforge plan`)."""
-    return make_plan(PackFacts.from_pack(path), memory_budget_gib=memory_budget_gib, context=context,
-                     expert_cache_percent=expert_cache_percent, expert_cache_gib=expert_cache_gib,
-                     kv_dtype=kv_dtype, prefill_chunk=prefill_chunk, prefill_wave=prefill_wave,
-                     prompt_cache_gib=prompt_cache_gib)
+             prompt_cache_gib: float | None = None, stream_embeddings: bool = False) -> Plan:
+    """The static plan of a pack under a budget, without loading it (`mawforge plan`, `bench`,
+    `tune`): the plan `load` would make with these arguments, with the framework's static size."""
+    opts = RuntimeOptions(context=context, budget=as_budget(memory_budget_gib),
+                          expert_cache_percent=expert_cache_percent, expert_cache_gib=expert_cache_gib,
+                          kv_dtype=kv_dtype, prefill_chunk=prefill_chunk, prefill_wave=prefill_wave,
+                          prompt_cache_gib=prompt_cache_gib, stream_embeddings=stream_embeddings)
+    return plan_for_options(PackFacts.from_pack(path), opts)
 
 
 @dataclass(frozen=True)
@@ -122,7 +139,7 @@ class Model:
     One generation runs at a time; a second one started while a stream is open raises Busy."""
 
     def __init__(self, runtime: Runtime, speculator=None, chat_template: str | None = None):
-        """`speculator`: an speculative.decode.Speculator over this runtime (closed with the model)."""
+        """`speculator`: a speculative.decode.Speculator over this runtime (closed with the model)."""
         self.runtime, self.speculator = runtime, speculator
         self._lock = threading.Lock()
         self._busy = False
@@ -130,6 +147,24 @@ class Model:
         self.last_telemetry: Telemetry | None = None
         self._chat_template = chat_template
         self._front = None
+
+    @classmethod
+    def from_options(cls, pack: str | os.PathLike, opts: RuntimeOptions, *, speculative: SpecOptions | None = None,
+                     recorder=None, plan: Plan | None = None, chat_template: str | None = None) -> "Model":
+        """A pack opened with a whole configuration (`load`, `mawforge run` and `serve`): its one
+        runtime (which makes the plan, or takes `plan`, plan_for_options' of these options) and,
+        unless speculative is None or off, its speculator. `recorder`: a trace.record.TraceRecorder."""
+        from mawforge.engine.runtime import Runtime
+        rt = Runtime(pack, opts, recorder=recorder, plan=plan)
+        try:
+            spec = None
+            if speculative is not None and speculative.mode != "off":
+                from mawforge.speculative.decode import Speculator
+                spec = Speculator(rt, speculative)
+        except BaseException:
+            rt.close()
+            raise
+        return cls(rt, spec, chat_template)
 
     # ---- facts ----
     @property
@@ -258,6 +293,7 @@ class Model:
 
     @staticmethod
     def _params(stop, stop_token_ids, **kw) -> SamplingParams:
+        from mawforge.engine.sampling import SamplingParams
         stops = (stop,) if isinstance(stop, str) else tuple(stop)
         return SamplingParams(stop=stops, stop_token_ids=tuple(stop_token_ids), **kw)
 
@@ -295,6 +331,7 @@ class Model:
             if self._busy:
                 raise Busy("a generation is still streaming on this model; finish or close it first")
             self._busy = True
+        from mawforge.engine.generate import generate
         try:
             for ev in generate(self.runtime, ids, params, speculative=self.speculator, processors=processors):
                 if ev.telemetry is not None:
@@ -304,33 +341,29 @@ class Model:
             self._busy = False
 
 
-def load(path: str | os.PathLike, *, memory_budget_gib: float | None = None, context: int = 4096,
+def load(path: str | os.PathLike, *, memory_budget_gib: float | Budget | None = None, context: int = 4096,
          expert_cache_percent: float | None = None, expert_cache_gib: float | None = None,
          policy: str = "s3fifo", prefetch: str = "auto", threads: int | None = None,
          kv_dtype: str | None = None, prefill_chunk: int = 128, prefill_wave: int = PREFILL_WAVE,
          prompt_cache_gib: float | None = None, speculative: str | None = None,
          chat_template: str | None = None, cache_dir: str | os.PathLike | None = None,
-         layout: str = "exact", device: str = "cpu", progress: bool = False) -> Model:
+         layout: str = "exact", device: str = "cpu", progress: bool = False,
+         stream_embeddings: bool = False) -> Model:
     """Load a pack (or a GGUF file / HF directory, packed on first use) under a memory budget.
     The plan is made once; a configuration it rejects raises BudgetRejected with its reason.
     `prompt_cache_gib`: saved prompts reused by later calls that share a prefix (None: the
     planner's auto size, 0: off)."""
-    pack = open_pack(path, cache_dir, layout, progress)
-    opts = RuntimeOptions(context=context, memory_budget_gib=memory_budget_gib,
+    opts = RuntimeOptions(context=context, budget=as_budget(memory_budget_gib),
                           expert_cache_percent=expert_cache_percent, expert_cache_gib=expert_cache_gib,
                           policy=policy, prefetch=prefetch, threads=threads, kv_dtype=kv_dtype,
                           prefill_chunk=prefill_chunk, prefill_wave=prefill_wave,
-                          prompt_cache_gib=prompt_cache_gib, device=device)
-    rt = Runtime(pack, opts)
-    try:
-        spec = None
-        if speculative not in (None, "off"):
-            from mawforge.speculative.decode import SpecOptions, Speculator
-            spec = Speculator(rt, SpecOptions(mode=speculative))
-    except BaseException:
-        rt.close()
-        raise
-    return Model(rt, spec, chat_template)
+                          prompt_cache_gib=prompt_cache_gib, device=device, stream_embeddings=stream_embeddings)
+    pack = open_pack(path, cache_dir, layout, progress)
+    spec = None
+    if speculative not in (None, "off"):
+        from mawforge.speculative.decode import SpecOptions
+        spec = SpecOptions(mode=speculative)
+    return Model.from_options(pack, opts, speculative=spec, chat_template=chat_template)
 
 
 def describe(model: Model) -> str:

@@ -17,6 +17,8 @@ A configuration is REJECTED when L exceeds the budget or when E is below one lay
 working set; rejection is a result (exit code 4 at the CLI), not an error.
 A draft model for speculative decoding (`--draft-pack`) is planned beside the target: its own
 C + E + K at the same context add to the target's L against the one budget (O is shared).
+The budget travels as a Budget (bytes and the flag or argument that gave it), which the plan's
+table names.
 """
 from __future__ import annotations
 
@@ -40,6 +42,25 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PROMPT_CACHE_CONTEXTS = 2
 PROMPT_CACHE_ROOM_SHARE = 0.1
 PREFILL_WAVE = 2048               # RuntimeOptions.prefill_wave's default: tokens a prompt runs layer by layer
+FLAG_SOURCE = "--memory-budget-gib"    # a budget from the command line
+API_SOURCE = "memory_budget_gib="      # a budget from the Python API (mawforge.load, plan_for)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The memory L must fit in, in bytes, and where that figure came from (a flag, an API
+    argument, a matrix file; "less the draft's L" when a draft model takes its share first):
+    the plan's table prints the source beside the bytes, so a rejection says whose budget it was."""
+    bytes: int
+    source: str
+
+    @classmethod
+    def from_gib(cls, gib: float, source: str) -> "Budget":
+        return cls(int(gib * GiB), source)
+
+    def less(self, nbytes: int, what: str) -> "Budget":
+        """What is left after `what` (nbytes) takes its share first."""
+        return Budget(self.bytes - nbytes, f"{self.source} less {what}")
 
 
 @dataclass(frozen=True)
@@ -222,13 +243,13 @@ class Plan:
         return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
 
-def make_plan(f: PackFacts, *, memory_budget_gib: float | None = None, context: int = 4096,
+def make_plan(f: PackFacts, *, budget: Budget | None = None, context: int = 4096,
               expert_cache_percent: float | None = None, expert_cache_gib: float | None = None,
               stream_embeddings: bool = False, kv_dtype: str | None = None, prefill_chunk: int = 128,
-              budget_source: str = "--memory-budget-gib", framework_bytes: int | None = None,
-              extra_overhead_bytes: int = 0, prompt_cache_gib: float | None = 0.0,
-              prefill_wave: int = PREFILL_WAVE, sequences: int = 1) -> Plan:
-    """extra_overhead_bytes: memory the caller's own features hold beside the runtime (the
+              framework_bytes: int | None = None, extra_overhead_bytes: int = 0,
+              prompt_cache_gib: float | None = 0.0, prefill_wave: int = PREFILL_WAVE, sequences: int = 1) -> Plan:
+    """budget: None plans without one (the expert cache then defaults to all of it).
+    extra_overhead_bytes: memory the caller's own features hold beside the runtime (the
     serve dashboard's kept route traces), counted in O. prompt_cache_gib: P in GiB (0: off),
     None: the auto rule (prompt_cache_bytes; under a budget at most PROMPT_CACHE_ROOM_SHARE of
     the expert cache's room, or only the budget's slack when the expert cache is given).
@@ -247,7 +268,8 @@ def make_plan(f: PackFacts, *, memory_budget_gib: float | None = None, context: 
     C = f.common_file_bytes - (f.embedding_bytes if stream_embeddings else 0) + f.dense_copy_bytes
     K = sequences * kv_bytes(f, context, kvd)
     O = overhead_bytes(f, context, prefill_chunk, framework_bytes, prefill_wave) + extra_overhead_bytes
-    budget = int(memory_budget_gib * GiB) if memory_budget_gib is not None else None
+    source = budget.source if budget is not None else "none"
+    budget = budget.bytes if budget is not None else None
     total = f.expert_bytes
     if expert_cache_gib is not None:
         E, src = int(expert_cache_gib * GiB), "--expert-cache-gib"
@@ -282,7 +304,7 @@ def make_plan(f: PackFacts, *, memory_budget_gib: float | None = None, context: 
         fixed = fixed_state_bytes(f) if f.kv_layers else 0
         per_pos = kv_bytes(f, 1, kvd) - fixed
         max_ctx = max(0, (budget - C - E - P - sequences * fixed) // (sequences * per_pos))
-    return Plan(not reason, reason, budget, budget_source if budget is not None else "none", context, src,
+    return Plan(not reason, reason, budget, source, context, src,
                 C, E, K, O, L, L + O, total, 100.0 * E / total, f.min_cache_bytes, kvd, max_pct, max_ctx,
                 f.pack_digest, P, psrc, sequences)
 
@@ -331,17 +353,3 @@ def draft_footprint(target: Plan, draft: Plan, budget_bytes: int | None = None, 
     elif not draft.feasible:
         reason = f"draft: {draft.reason}"
     return PairPlan(target, draft, budget, L, L + target.O, not reason, reason, draft_pack)
-
-
-def make_pair_plan(f: PackFacts, draft: PackFacts, *, memory_budget_gib: float | None = None,
-                   draft_cache_percent: float = 100.0, draft_pack: str = "", **kw) -> PairPlan:
-    """The draft's own plan at the target's context (as the draft drafter loads it: its cache
-    percent, the same KV dtype option, no budget of its own); the target then plans against the
-    budget less the draft's L, so a cache sized from the budget leaves room for the draft."""
-    dp = make_plan(draft, context=kw.get("context", 4096), expert_cache_percent=draft_cache_percent,
-                   kv_dtype=kw.get("kv_dtype"), prefill_chunk=kw.get("prefill_chunk", 128),
-                   prefill_wave=kw.get("prefill_wave", PREFILL_WAVE))
-    share = None if memory_budget_gib is None else memory_budget_gib - dp.L / GiB
-    tp = make_plan(f, memory_budget_gib=share, budget_source="--memory-budget-gib less the draft's L", **kw)
-    budget = None if memory_budget_gib is None else int(memory_budget_gib * GiB)
-    return draft_footprint(tp, dp, budget, draft_pack)

@@ -10,6 +10,7 @@ import torch
 
 from mawforge.bench.prompts import prompt_for
 from mawforge.engine.runtime import Runtime, RuntimeOptions
+from mawforge.plan import Budget
 
 
 def rss():
@@ -25,7 +26,7 @@ def show(tag):
 
 def main():
     torch.set_num_threads(2)
-    rt = Runtime(sys.argv[1], RuntimeOptions(context=1024, memory_budget_gib=float(sys.argv[2]),
+    rt = Runtime(sys.argv[1], RuntimeOptions(context=1024, budget=Budget.from_gib(float(sys.argv[2]), "argv[2]"),
                                              prefill_chunk=int(sys.argv[3]), threads=2,
                                              check_digests=False, stream_embeddings=True))
     p = rt.plan

@@ -11,6 +11,7 @@ from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.engine.sampling import SamplingParams
 from mawforge.errors import BudgetRejected, FormatError, MawError, RequestError
 from mawforge.demo import demo_gguf
+from mawforge.plan import Budget
 
 from helpers import run_cli
 
@@ -173,6 +174,28 @@ def test_plan_without_loading_and_rejection(model, cache_dir):
     assert model.plan.E == p.E and model.plan.C == p.C
     with pytest.raises(BudgetRejected, match="plan rejected"):
         mawforge.load(pack, memory_budget_gib=0.01, context=512)
+
+
+def test_the_budget_is_bytes_with_its_source(model):
+    """GiB given to the API become a Budget the plan names as the API's; a Budget passes through
+    with its own source (how the commands hand over --memory-budget-gib)."""
+    pack = model.runtime.pack
+    p = mawforge.plan_for(pack, memory_budget_gib=1, context=512)
+    assert (p.budget_bytes, p.budget_source) == (1 << 30, "memory_budget_gib=") and "[memory_budget_gib=]" in p.table()
+    q = mawforge.plan_for(pack, memory_budget_gib=Budget(1 << 30, "--memory-budget-gib"), context=512)
+    assert q.budget_source == "--memory-budget-gib" and (q.E, q.F) == (p.E, p.F)
+    assert mawforge.plan_for(pack, context=512).budget_source == "none"
+    with pytest.raises(TypeError, match="plan.Budget"):
+        RuntimeOptions(budget=1.0)
+
+
+def test_planning_loads_no_torch(model):
+    """`mawforge plan`, bench and tune plan through the API without loading the framework."""
+    code = ("import sys, mawforge.api as a, mawforge.bench.tune, mawforge.bench.matrix, mawforge.commands.plan; "
+            f"p = a.plan_for({str(model.runtime.pack)!r}, memory_budget_gib=1, context=512); "
+            "assert p.feasible and 'torch' not in sys.modules, 'torch was imported'")
+    import subprocess
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_bad_paths_fail_clearly(tmp_path):

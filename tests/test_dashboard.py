@@ -20,6 +20,7 @@ from mawforge.cache.core import HEAT_FIELDS, CacheCore
 from mawforge.cache.driver import RouteDriver
 from mawforge.cache.policies import make_policy
 from mawforge.engine.runtime import Runtime, RuntimeOptions
+from mawforge.plan import Budget
 from mawforge.serve.app import ServerThread, build_app
 
 MODEL, KEY = "dash-synth", "sesame"
@@ -38,7 +39,8 @@ def chromium() -> str | None:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     pack_dir = dashboard_pack(tmp_path_factory.mktemp("dashboard"))
-    rt = Runtime(pack_dir, RuntimeOptions(context=512, memory_budget_gib=0.5, expert_cache_percent=30, threads=1))
+    rt = Runtime(pack_dir, RuntimeOptions(context=512, budget=Budget(1 << 29, "test"), expert_cache_percent=30,
+                                          threads=1))
     with ServerThread(build_app(rt, MODEL, api_key=KEY, max_tokens_default=16)) as s:
         yield s
     rt.close()

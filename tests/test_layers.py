@@ -95,6 +95,6 @@ def test_cache_does_not_compute_and_planner_is_torch_free():
     cache = ast.parse((ROOT / "cache" / "expert_cache.py").read_text())
     names = {a.name for n in ast.walk(cache) if isinstance(n, ast.ImportFrom) for a in n.names}
     assert not names & {"linear", "swiglu_expert", "native", "cpu"}
-    code = ("import sys, mawforge.plan, mawforge.archs, mawforge.formats.config; "
+    code = ("import sys, mawforge.plan, mawforge.engine.options, mawforge.archs, mawforge.formats.config; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT.parent)

@@ -22,6 +22,7 @@ from mawforge.engine.generate import generate
 from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.engine.sampling import SamplingParams
 from mawforge.pack.packer import pack
+from mawforge.plan import Budget
 from mawforge.serve import limits
 from mawforge.serve.app import ServerThread, build_app
 
@@ -51,7 +52,7 @@ def rt(fixtures_root, tmp_path_factory):
     out = tmp_path_factory.mktemp("openai") / "pack"
     pack(fixtures_root["qwen3_moe"]["gguf"]["Q8_0"], out, progress=False)
     threads = torch.get_num_threads()
-    runtime = Runtime(out, RuntimeOptions(context=CONTEXT, memory_budget_gib=2.0, expert_cache_percent=100,
+    runtime = Runtime(out, RuntimeOptions(context=CONTEXT, budget=Budget(2 << 30, "test"), expert_cache_percent=100,
                                           threads=1))
     yield runtime
     runtime.close()

@@ -7,7 +7,11 @@ import pytest
 
 from helpers import needs_proc_rss, run_cli
 from mawforge.errors import BudgetRejected, FormatError
-from mawforge.plan import GiB, PackFacts, kv_bytes, make_plan
+from mawforge.plan import Budget, GiB, PackFacts, kv_bytes, make_plan
+
+
+def gib(n: float) -> Budget:
+    return Budget.from_gib(n, "test")
 
 
 @pytest.fixture(scope="module")
@@ -16,32 +20,32 @@ def facts(packs):
 
 
 def test_terms_add_up_and_scale(facts):
-    p = make_plan(facts, memory_budget_gib=1, context=1024, expert_cache_percent=50)
+    p = make_plan(facts, budget=gib(1), context=1024, expert_cache_percent=50)
     assert p.feasible and p.L == p.C + p.E + p.K and p.F == p.L + p.O
     assert p.E == int(facts.expert_bytes * 0.5)
     assert p.K == kv_bytes(facts, 1024, p.kv_dtype)
-    q = make_plan(facts, memory_budget_gib=1, context=2048, expert_cache_percent=50)
+    q = make_plan(facts, budget=gib(1), context=2048, expert_cache_percent=50)
     assert q.K == 2 * p.K and q.C == p.C
     assert make_plan(facts, context=1024, expert_cache_percent=50, stream_embeddings=True).C \
         == p.C - facts.embedding_bytes
 
 
 def test_rejections_are_results_with_reasons(facts):
-    over = make_plan(facts, memory_budget_gib=facts.common_file_bytes / GiB, context=4096, expert_cache_percent=100)
+    over = make_plan(facts, budget=Budget(facts.common_file_bytes, "test"), context=4096, expert_cache_percent=100)
     assert not over.feasible and "exceeds the budget" in over.reason
-    small = make_plan(facts, memory_budget_gib=1, context=64, expert_cache_gib=facts.min_cache_bytes / GiB / 2)
+    small = make_plan(facts, budget=gib(1), context=64, expert_cache_gib=facts.min_cache_bytes / GiB / 2)
     assert not small.feasible and "working set" in small.reason
 
 
 def test_largest_cache_and_longest_context(facts):
-    budget = (facts.common_file_bytes + facts.dense_copy_bytes + facts.expert_bytes // 2) / GiB
-    p = make_plan(facts, memory_budget_gib=budget, context=128, expert_cache_percent=10)
+    budget = Budget(facts.common_file_bytes + facts.dense_copy_bytes + facts.expert_bytes // 2, "test")
+    p = make_plan(facts, budget=budget, context=128, expert_cache_percent=10)
     assert 40 < p.max_cache_percent < 50
-    at_max = make_plan(facts, memory_budget_gib=budget, context=128, expert_cache_percent=p.max_cache_percent)
+    at_max = make_plan(facts, budget=budget, context=128, expert_cache_percent=p.max_cache_percent)
     assert at_max.feasible
-    longest = make_plan(facts, memory_budget_gib=budget, context=p.max_context, expert_cache_percent=10)
+    longest = make_plan(facts, budget=budget, context=p.max_context, expert_cache_percent=10)
     assert longest.feasible
-    assert not make_plan(facts, memory_budget_gib=budget, context=p.max_context + 1, expert_cache_percent=10).feasible
+    assert not make_plan(facts, budget=budget, context=p.max_context + 1, expert_cache_percent=10).feasible
 
 
 def test_bad_arguments(facts):
@@ -134,11 +138,11 @@ def test_memory_held_beside_the_runtime_is_planned_in_o(packs):
     facts = PackFacts.from_pack(packs[("qwen3_moe", "Q4_K_M")])
     extra = kept_trace_bytes(facts.top_k)
     assert extra == KEEP_TRACES * MAX_TRACE_ROWS * facts.top_k * (2 + 4)
-    base = make_plan(facts, memory_budget_gib=1, context=512, expert_cache_percent=25)
-    more = make_plan(facts, memory_budget_gib=1, context=512, expert_cache_percent=25, extra_overhead_bytes=extra)
+    base = make_plan(facts, budget=gib(1), context=512, expert_cache_percent=25)
+    more = make_plan(facts, budget=gib(1), context=512, expert_cache_percent=25, extra_overhead_bytes=extra)
     assert (more.O - base.O, more.F - base.F, more.L, more.E) == (extra, extra, base.L, base.E)
     # a cache sized from the budget gives those bytes up (a budget that holds half the experts;
     # this tiny model's experts are smaller than the dashboard's bound, so a quarter of them here)
-    x, gib = facts.expert_bytes // 4, (base.C + base.K + base.O + facts.expert_bytes // 2) / GiB
-    fit, fit_more = (make_plan(facts, memory_budget_gib=gib, context=512, extra_overhead_bytes=y) for y in (0, x))
+    x, room = facts.expert_bytes // 4, Budget(base.C + base.K + base.O + facts.expert_bytes // 2, "test")
+    fit, fit_more = (make_plan(facts, budget=room, context=512, extra_overhead_bytes=y) for y in (0, x))
     assert fit.E - fit_more.E == x and abs(fit_more.F - fit.F) <= 1

@@ -10,7 +10,7 @@ from helpers import dashboard_pack
 from mawforge.engine.generate import generate
 from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.engine.sampling import SamplingParams
-from mawforge.plan import PackFacts, make_plan, native_scratch_bytes, wave_bytes
+from mawforge.plan import Budget, PackFacts, make_plan, native_scratch_bytes, wave_bytes
 
 CHUNK = 16
 PROMPT = [3 + (i * 37) % 1900 for i in range(96)]        # 96 tokens: 6 chunks of 16
@@ -84,7 +84,7 @@ def test_the_wave_is_planned_in_o(pack_dir):
     assert make_plan(f, context=512, prefill_wave=2048).O == make_plan(f, context=512, prefill_wave=512).O
     assert make_plan(f, context=4096, prefill_wave=300).O == make_plan(f, context=4096, prefill_wave=256).O
     # a budget sizes the cache around it
-    budget = (waved.C + waved.K + waved.O + 2 * f.min_cache_bytes) / 2**30
-    tight, loose = (make_plan(f, memory_budget_gib=budget, context=4096, prefill_wave=w) for w in (2048, 128))
+    budget = Budget(waved.C + waved.K + waved.O + 2 * f.min_cache_bytes, "test")
+    tight, loose = (make_plan(f, budget=budget, context=4096, prefill_wave=w) for w in (2048, 128))
     assert loose.E < f.expert_bytes
     assert tight.E == loose.E - grown and tight.F == loose.F

@@ -13,7 +13,7 @@ from mawforge.engine.generate import generate
 from mawforge.engine.prompt_cache import Entry, PromptStore, canonical, reusable
 from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.engine.sampling import SamplingParams
-from mawforge.plan import PackFacts, make_plan
+from mawforge.plan import Budget, PackFacts, make_plan
 
 CHUNK = 16
 BASE = [5 + (i * 37) % 900 for i in range(200)]       # distinct-ish ids inside the tiny vocab
@@ -152,14 +152,14 @@ def test_auto_size_follows_the_context_and_the_budget(pack_dir):
     free = make_plan(f, context=256, prompt_cache_gib=None)
     assert free.P == 2 * (free.K + 4 * f.vocab) and free.L == free.C + free.E + free.K + free.P
     tight = make_plan(f, context=256, prompt_cache_gib=None,
-                      memory_budget_gib=(free.C + free.K + free.O + 5 * free.P) / 2**30)
+                      budget=Budget(free.C + free.K + free.O + 5 * free.P, "test"))
     room = tight.budget_bytes - tight.C - tight.K - tight.O      # what E and P share under a budget
     assert tight.P == int(room * 0.1) < free.P and tight.E == min(room - tight.P, f.expert_bytes)
     given = make_plan(f, context=256, prompt_cache_gib=None, expert_cache_percent=100,
-                      memory_budget_gib=(free.C + free.E + free.K + free.O + free.P // 3) / 2**30)
+                      budget=Budget(free.C + free.E + free.K + free.O + free.P // 3, "test"))
     assert given.P == given.budget_bytes - given.L + given.P - given.O      # a given cache: only the slack
     over = make_plan(f, context=256, prompt_cache_gib=1.0, expert_cache_percent=100,
-                     memory_budget_gib=(free.C + free.E + free.K) / 2**30 + 0.5)
+                     budget=Budget.from_gib((free.C + free.E + free.K) / 2**30 + 0.5, "test"))
     assert not over.feasible and "C + E + K + P" in over.reason
     assert make_plan(f, context=256).P == 0                       # make_plan's own default: off
 

@@ -22,6 +22,7 @@ from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.engine.sampling import SamplingParams
 from mawforge.errors import MawError, RequestError
 from mawforge.pack.packer import pack
+from mawforge.plan import Budget
 from mawforge.serve.app import ServerThread, add_arguments, build_app
 from mawforge.serve.protocol import ApiError
 from mawforge.serve.responses import ResponseStore, store_from_args
@@ -54,8 +55,8 @@ def rt(tmp_path_factory):
     root = tmp_path_factory.mktemp("responses")
     pack(demo_gguf("Q8_0"), root / "pack", progress=False)
     threads = torch.get_num_threads()
-    runtime = Runtime(root / "pack", RuntimeOptions(context=CONTEXT, memory_budget_gib=2.0, expert_cache_percent=50,
-                                                    threads=1))
+    runtime = Runtime(root / "pack", RuntimeOptions(context=CONTEXT, budget=Budget(2 << 30, "test"),
+                                                    expert_cache_percent=50, threads=1))
     yield runtime
     runtime.close()
     torch.set_num_threads(threads)

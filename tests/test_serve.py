@@ -18,12 +18,13 @@ from mawforge.engine.generate import generate
 from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.engine.sampling import SamplingParams
 from mawforge.pack.packer import pack
+from mawforge.plan import Budget
 from mawforge.serve.app import ServerThread, build_app
 from mawforge.telemetry import SCHEMA
 
 CONTEXT, MAX_TOKENS, MODEL = 256, 8, "tiny-qwen3"
 CHAT = [{"role": "user", "content": "Tell me about expert caches."}]
-RT_OPTS = dict(context=CONTEXT, memory_budget_gib=2.0, expert_cache_percent=50, threads=1)
+RT_OPTS = dict(context=CONTEXT, budget=Budget(2 << 30, "test"), expert_cache_percent=50, threads=1)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.fixtures.build import build_fixtures
 from mawforge.fixtures.sdist_templates import SdistMissing, template_dir
 from mawforge.pack.packer import pack
+from mawforge.plan import Budget
 from mawforge.serve.app import ServerThread, build_app
 from mawforge.serve.chatreq import ChatDefaults
 
@@ -61,8 +62,8 @@ def rt(tmp_path_factory):
     built = build_fixtures(root / "fx", archs=("qwen3_moe",), ftypes=("Q8_0",))
     pack(built["qwen3_moe"]["gguf"]["Q8_0"], root / "pack", progress=False)
     threads = torch.get_num_threads()
-    runtime = Runtime(root / "pack", RuntimeOptions(context=4096, memory_budget_gib=2.0, expert_cache_percent=50,
-                                                    threads=1))
+    runtime = Runtime(root / "pack", RuntimeOptions(context=4096, budget=Budget(2 << 30, "test"),
+                                                    expert_cache_percent=50, threads=1))
     yield runtime
     runtime.close()
     torch.set_num_threads(threads)

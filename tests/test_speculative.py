@@ -15,7 +15,7 @@ from mawforge.engine.sampling import Sampler, SamplingParams
 from mawforge.speculative.accounting import AutoController
 from mawforge.speculative.decode import SpecOptions, Speculator, accept_drafts
 from mawforge.errors import BudgetRejected, FormatError, RequestError, UnsupportedError
-from mawforge.plan import PackFacts, make_plan
+from mawforge.plan import Budget, PackFacts, make_plan
 from helpers import run_cli, sample_outputs
 from bounds import SAMPLING_TV
 
@@ -115,7 +115,7 @@ def test_draft_pack_must_share_the_tokenizer_and_fit_the_budget(packs):
         rt.close()
     target = packs[TARGET]
     L = make_plan(PackFacts.from_pack(target), context=256, expert_cache_percent=25).L
-    tight = Runtime(target, RuntimeOptions(context=256, expert_cache_percent=25, memory_budget_gib=(L + 1024) / 2**30))
+    tight = Runtime(target, RuntimeOptions(context=256, expert_cache_percent=25, budget=Budget(L + 1024, "test")))
     try:
         with pytest.raises(BudgetRejected, match="draft"):
             Speculator(tight, SpecOptions(mode="draft", draft_pack=str(packs[DRAFT])))
@@ -395,7 +395,7 @@ def test_benchmark_script_writes_the_table(packs, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory) -> dict:
     """Qwen3.5-MoE (delta-net + attention) packs: the HF target and a Q8_0 GGUF of the same weights."""
-    from mawforge.fixtures.families_qwen35_gemma4 import build_hf, write_gguf
+    from mawforge.fixtures.archs.qwen35moe import build_hf, write_gguf
     from mawforge.pack.packer import pack
     root = tmp_path_factory.mktemp("hybrid")
     src = build_hf("qwen3_5_moe", root / "hf")

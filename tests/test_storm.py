@@ -20,6 +20,7 @@ from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.engine.sampling import SamplingParams
 from mawforge.fuzz.storm import CHAT, COMP, PROMPTS, Result, Storm, _Http, _text, drain, malformed, storm
 from mawforge.pack.packer import pack
+from mawforge.plan import Budget
 from mawforge.serve.app import ServerThread, build_app
 
 CONTEXT, MODEL = 256, "storm"
@@ -112,7 +113,7 @@ def solo_answers(url: str, cfg: Storm) -> dict:
 @pytest.fixture(scope="module")
 def served(tiny_pack, tmp_path_factory):
     threads = torch.get_num_threads()
-    rt = Runtime(tiny_pack, RuntimeOptions(context=CONTEXT, memory_budget_gib=2.0, expert_cache_percent=100,
+    rt = Runtime(tiny_pack, RuntimeOptions(context=CONTEXT, budget=Budget(2 << 30, "test"), expert_cache_percent=100,
                                            threads=1))
     log = tmp_path_factory.mktemp("storm_log") / "t.jsonl"
     with ServerThread(build_app(rt, MODEL, max_tokens_default=8, telemetry_log=str(log))) as s:

@@ -15,6 +15,7 @@ import torch
 
 from mawforge.demo import demo_gguf
 from mawforge.engine import constraint as C
+from mawforge.plan import Budget
 from mawforge.speculative.drafters import Drafter
 from mawforge.engine.generate import generate
 from mawforge.engine.runtime import Runtime, RuntimeOptions
@@ -199,7 +200,7 @@ def runtimes(tmp_path_factory):
     made = {}
     for name, src in packs.items():
         pack(src, root / name, progress=False)
-        made[name] = Runtime(root / name, RuntimeOptions(context=1024, memory_budget_gib=2.0, threads=1))
+        made[name] = Runtime(root / name, RuntimeOptions(context=1024, budget=Budget(2 << 30, "test"), threads=1))
     yield made
     for rt in made.values():
         rt.close()

@@ -24,7 +24,8 @@ from mawforge.bench.executor import CellJob, make_executor
 from mawforge.bench.guard import GuardLimits, meminfo
 from mawforge.bench.prompts import chat_request
 from mawforge.bench.spec import GuardSpec, MatrixSpec, Row, expand, source_for
-from mawforge.plan import GiB, PackFacts, make_plan
+from mawforge.api import plan_for
+from mawforge.plan import Budget, GiB
 
 help = "run the guarded validation matrix and keep the evidence"
 SCHEMA = "mawforge.bench/1"
@@ -52,13 +53,14 @@ def static_stage(spec: MatrixSpec, out: Path) -> tuple[list[Row], dict[tuple, di
     """matrix.jsonl and plans.jsonl; returns the rows and {(model, context, cache): plan dict}."""
     rows = expand(spec)
     plans: dict[tuple, dict] = {}
-    facts: dict[str, PackFacts] = {}
+    budget = None if spec.budget_gib is None else Budget.from_gib(spec.budget_gib, "the matrix's budget_gib")
     for r in rows:
         if r.engine != "mawforge" or plan_key(r) in plans:
             continue
         pack = source_for(spec, r)
-        f = facts.setdefault(pack, PackFacts.from_pack(pack))
-        p = make_plan(f, memory_budget_gib=spec.budget_gib, context=r.context, expert_cache_percent=r.cache_percent)
+        # the cell's point as the API plans it; the prompt cache left out as in tune.point_plan
+        p = plan_for(pack, memory_budget_gib=budget, context=r.context, expert_cache_percent=r.cache_percent,
+                     prompt_cache_gib=0.0)
         plans[plan_key(r)] = {"model": r.model, "pack": pack, "context": r.context,
                               "cache_percent": r.cache_percent} | p.to_dict()
     write_jsonl(out / "matrix.jsonl", (r.to_dict() for r in rows))

@@ -18,7 +18,8 @@ from mawforge.bench.executor import CellJob, run_cell
 from mawforge.bench.guard import GuardLimits
 from mawforge.bench.prompts import CLASSES, chat_request
 from mawforge.errors import BudgetRejected, FormatError
-from mawforge.plan import GiB, PackFacts, make_plan
+from mawforge.api import plan_for
+from mawforge.plan import FLAG_SOURCE, Budget, GiB, PackFacts, Plan
 
 help = "pick the expert-cache point by measured decode speed and TTFT"
 SCHEMA = "mawforge.tune/1"
@@ -82,18 +83,25 @@ class LowestTTFT(Objective, name="ttft"):
         return None if p.ttft_s is None else -p.ttft_s
 
 
-def feasible_range(facts: PackFacts, budget_gib: float, context: int) -> tuple[float, float]:
+def point_plan(pack: str, budget_gib: float, context: int, cache_percent: float | None = None) -> Plan:
+    """The static plan of one cache point through the API. The prompt cache is left out (0), as
+    the points span the room the expert cache may take: the served child's auto prompt cache
+    takes only the slack a given point leaves (plan.make_plan), never the point's feasibility."""
+    return plan_for(pack, memory_budget_gib=Budget.from_gib(budget_gib, FLAG_SOURCE), context=context,
+                    expert_cache_percent=cache_percent, prompt_cache_gib=0.0)
+
+
+def feasible_range(pack: str, budget_gib: float, context: int) -> tuple[float, float]:
     """(smallest, largest) cache percent the planner accepts at this budget and context."""
+    facts = PackFacts.from_pack(pack)
     lo = 100.0 * facts.min_cache_bytes / facts.expert_bytes
-    plan = make_plan(facts, memory_budget_gib=budget_gib, context=context)
+    plan = point_plan(pack, budget_gib, context)
     hi = plan.max_cache_percent or 0.0
     lo = min(100.0, round(lo + 0.05, 1))            # round up: the planner must accept it
     hi = int(hi * 10) / 10                          # round down
-    while hi > lo and not make_plan(facts, memory_budget_gib=budget_gib, context=context,
-                                    expert_cache_percent=hi).feasible:
+    while hi > lo and not point_plan(pack, budget_gib, context, hi).feasible:
         hi = round(hi - 0.1, 1)
-    if hi < lo or not make_plan(facts, memory_budget_gib=budget_gib, context=context,
-                                expert_cache_percent=lo).feasible:
+    if hi < lo or not point_plan(pack, budget_gib, context, lo).feasible:
         raise BudgetRejected(f"no expert-cache point fits {budget_gib:g} GiB at context {context}: {plan.reason}")
     return lo, hi
 
@@ -132,8 +140,8 @@ class TuneSetup:
             raise FormatError("tune needs at least 1 repetition and max_tokens >= 2 (decode speed needs 2 tokens)")
 
 
-def measure(setup: TuneSetup, facts: PackFacts, p: float, out: Path) -> Point:
-    plan = make_plan(facts, memory_budget_gib=setup.budget_gib, context=setup.context, expert_cache_percent=p)
+def measure(setup: TuneSetup, p: float, out: Path) -> Point:
+    plan = point_plan(setup.pack, setup.budget_gib, setup.context, p)
     cell = f"tune.n{setup.context}.p{p:g}"
     reqs = tuple((f"{cell}.{c}.r{r}", chat_request(c, r, "tune", setup.max_tokens, 0))
                  for c in setup.classes for r in range(setup.repetitions))
@@ -151,14 +159,13 @@ def measure(setup: TuneSetup, facts: PackFacts, p: float, out: Path) -> Point:
 
 def tune(setup: TuneSetup, out: Path, objective: Objective, points: int = 5, rounds: int = 2,
          min_step: float = 1.0, log=lambda m: print(m, file=sys.stderr, flush=True)) -> dict:
-    facts = PackFacts.from_pack(setup.pack)
-    lo, hi = feasible_range(facts, setup.budget_gib, setup.context)
+    lo, hi = feasible_range(setup.pack, setup.budget_gib, setup.context)
     log(f"mawforge tune: feasible cache points {lo:g}% .. {hi:g}%")
     curve: dict[float, Point] = {}
     todo = coarse_points(lo, hi, points)
     for rnd in range(rounds + 1):
         for p in todo:
-            curve[p] = measure(setup, facts, p, out)
+            curve[p] = measure(setup, p, out)
             pt = curve[p]
             log(f"mawforge tune: {p:g}%: decode {pt.decode_tok_s or 0:.2f} tok/s, TTFT {pt.ttft_s or 0:.3f} s, "
                 f"{pt.valid_runs} valid")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
+from mawforge.engine.options import RuntimeOptions, pair_plan_for_options, plan_for_options
 from mawforge.errors import BudgetRejected
-from mawforge.plan import (DTYPE_BYTES, PREFILL_WAVE, PROMPT_CACHE_CONTEXTS, PROMPT_CACHE_ROOM_SHARE, PackFacts,
-                           PairPlan, Plan, make_pair_plan, make_plan)
+from mawforge.plan import (DTYPE_BYTES, FLAG_SOURCE, PREFILL_WAVE, PROMPT_CACHE_CONTEXTS, PROMPT_CACHE_ROOM_SHARE,
+                           Budget, PackFacts, PairPlan, Plan)
 
 
 def add_budget_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,26 +26,35 @@ def add_budget_arguments(p: argparse.ArgumentParser) -> None:
                         f"{PROMPT_CACHE_ROOM_SHARE:.0%} of the expert cache's room; off in `run`)")
 
 
+def budget_from_args(a: argparse.Namespace) -> Budget | None:
+    """--memory-budget-gib as the typed budget (None: not given)."""
+    return None if a.memory_budget_gib is None else Budget.from_gib(a.memory_budget_gib, FLAG_SOURCE)
+
+
+def plan_options(a: argparse.Namespace) -> RuntimeOptions:
+    """The budget flags as a run configuration (`run` and `serve` add their runtime flags to it):
+    the only place those flags become typed values."""
+    return RuntimeOptions(budget=budget_from_args(a), context=a.context, expert_cache_percent=a.expert_cache_percent,
+                          expert_cache_gib=a.expert_cache_gib, stream_embeddings=a.stream_embeddings,
+                          kv_dtype=a.kv_dtype, prompt_cache_gib=getattr(a, "prompt_cache_gib", 0.0),
+                          prefill_chunk=getattr(a, "prefill_chunk", 128),
+                          prefill_wave=getattr(a, "prefill_wave", PREFILL_WAVE),
+                          max_batch=getattr(a, "max_batch", 1))
+
+
 def plan_from_args(a: argparse.Namespace) -> Plan:
-    return make_plan(PackFacts.from_pack(a.pack), memory_budget_gib=a.memory_budget_gib, context=a.context,
-                     expert_cache_percent=a.expert_cache_percent, expert_cache_gib=a.expert_cache_gib,
-                     stream_embeddings=a.stream_embeddings, kv_dtype=a.kv_dtype,
-                     prompt_cache_gib=getattr(a, "prompt_cache_gib", 0.0), sequences=getattr(a, "max_batch", 1))
+    return plan_for_options(PackFacts.from_pack(a.pack), plan_options(a))
 
 
 # ---- a draft model beside the target (speculative decoding) --------------------------------
 
 
-def pair_plan_from_args(a: argparse.Namespace) -> PairPlan:
-    """For `plan`, `run` and `serve` alike (all take --draft-pack and --draft-cache-percent)."""
-    return make_pair_plan(PackFacts.from_pack(a.pack), PackFacts.from_pack(a.draft_pack),
-                          memory_budget_gib=a.memory_budget_gib, draft_cache_percent=a.draft_cache_percent,
-                          draft_pack=str(a.draft_pack), context=a.context,
-                          expert_cache_percent=a.expert_cache_percent, expert_cache_gib=a.expert_cache_gib,
-                          stream_embeddings=a.stream_embeddings, kv_dtype=a.kv_dtype,
-                          prefill_chunk=getattr(a, "prefill_chunk", 128),
-                          prompt_cache_gib=getattr(a, "prompt_cache_gib", 0.0),
-                          prefill_wave=getattr(a, "prefill_wave", PREFILL_WAVE))
+def pair_plan_from_args(a: argparse.Namespace, opts: RuntimeOptions | None = None) -> PairPlan:
+    """For `plan`, `run` and `serve` alike (all take --draft-pack and --draft-cache-percent);
+    opts: the command's whole configuration (default: the budget flags')."""
+    return pair_plan_for_options(PackFacts.from_pack(a.pack), PackFacts.from_pack(a.draft_pack),
+                                 opts if opts is not None else plan_options(a), a.draft_cache_percent,
+                                 str(a.draft_pack))
 
 
 help = "say before loading whether a configuration fits a memory budget"

@@ -5,8 +5,9 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 
-from mawforge.commands.plan import add_budget_arguments
+from mawforge.commands.plan import add_budget_arguments, plan_options
 from mawforge.plan import PREFILL_WAVE
 
 help = "generate once from a pack under a memory budget, with telemetry"
@@ -35,17 +36,11 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-out", default=None, help="write the route trace (.npz) here")
 
 
-def runtime_options(a: argparse.Namespace, reserved_bytes: int = 0):
-    from mawforge.engine.runtime import RuntimeOptions
-    return RuntimeOptions(reserved_bytes=reserved_bytes, context=a.context, memory_budget_gib=a.memory_budget_gib,
-                          expert_cache_percent=a.expert_cache_percent, expert_cache_gib=a.expert_cache_gib,
-                          policy=a.policy, prefetch=a.prefetch, device=a.device,
-                          stream_embeddings=a.stream_embeddings, kv_dtype=a.kv_dtype,
-                          direct_io=not a.no_direct_io, prefill_chunk=a.prefill_chunk, threads=a.threads,
-                          prefill_wave=getattr(a, "prefill_wave", PREFILL_WAVE),
-                          lookahead=a.lookahead, thread_governor=not a.no_thread_governor,
-                          prompt_cache_gib=getattr(a, "prompt_cache_gib", 0.0),
-                          max_batch=getattr(a, "max_batch", 1))
+def runtime_options(a: argparse.Namespace):
+    """The whole run configuration of `run` and `serve`: the budget flags and the runtime's."""
+    return replace(plan_options(a), policy=a.policy, prefetch=a.prefetch, device=a.device,
+                   direct_io=not a.no_direct_io, threads=a.threads, lookahead=a.lookahead,
+                   thread_governor=not a.no_thread_governor)
 
 
 def make_recorder(a: argparse.Namespace):
@@ -121,16 +116,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(a: argparse.Namespace) -> int:
     from mawforge.api import Model
-    from mawforge.engine.runtime import Runtime
-    from mawforge.commands.speculative import pair_plan_or_reject, speculator_from_args
-    pair = pair_plan_or_reject(a)          # a draft pack's L is planned beside the target's
+    from mawforge.commands.speculative import pair_plan_or_reject, spec_options
+    opts = runtime_options(a)
+    pair = pair_plan_or_reject(a, opts)    # a draft pack's L is planned beside the target's
+    if pair is not None:
+        opts = replace(opts, reserved_bytes=pair.draft.L)
     recorder = make_recorder(a)
-    rt = Runtime(a.pack, runtime_options(a, pair.draft.L if pair else 0), recorder=recorder)
-    try:
-        model = Model(rt, speculator_from_args(rt, a))
-    except BaseException:
-        rt.close()
-        raise
+    model = Model.from_options(a.pack, opts, speculative=spec_options(a), recorder=recorder)
+    rt = model.runtime
     try:
         with model:
             prompt = [{"role": "user", "content": a.prompt}]

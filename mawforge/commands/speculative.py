@@ -4,10 +4,10 @@ from __future__ import annotations
 import argparse
 
 from mawforge.commands.plan import pair_plan_from_args
-from mawforge.engine.runtime import Runtime
+from mawforge.engine.options import RuntimeOptions
 from mawforge.errors import BudgetRejected
 from mawforge.plan import PairPlan
-from mawforge.speculative.decode import MODES, SpecOptions, Speculator
+from mawforge.speculative.decode import MODES, SpecOptions
 
 
 def uses_draft_pack(a: argparse.Namespace) -> bool:
@@ -16,11 +16,12 @@ def uses_draft_pack(a: argparse.Namespace) -> bool:
     return bool(a.draft_pack) and a.speculative in ("draft", "auto")
 
 
-def pair_plan_or_reject(a: argparse.Namespace) -> PairPlan | None:
-    """`run`/`serve` with a draft pack: the static plan of target + draft, checked before loading."""
+def pair_plan_or_reject(a: argparse.Namespace, opts: RuntimeOptions) -> PairPlan | None:
+    """`run`/`serve` with a draft pack: the static plan of target + draft under the command's
+    configuration, checked before loading (the target then loads with reserved_bytes = draft L)."""
     if not uses_draft_pack(a):
         return None
-    pair = pair_plan_from_args(a)
+    pair = pair_plan_from_args(a, opts)
     if not pair.feasible:
         raise BudgetRejected(f"plan rejected with the draft model: {pair.reason}")
     return pair
@@ -35,7 +36,8 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-cache-percent", type=float, default=100.0, help="the draft pack's expert cache")
 
 
-def speculator_from_args(rt: Runtime, a: argparse.Namespace) -> Speculator | None:
+def spec_options(a: argparse.Namespace) -> SpecOptions | None:
+    """The speculation flags as options for Model.from_options (None: off)."""
     opts = SpecOptions(mode=a.speculative, k=a.draft_k, draft_pack=a.draft_pack,
                        draft_cache_percent=a.draft_cache_percent)
-    return None if opts.mode == "off" else Speculator(rt, opts)
+    return None if opts.mode == "off" else opts

@@ -1,9 +1,9 @@
 """Runtime: a pack loaded under a byte budget — resident common tensors, the expert cache,
-the KV cache, the model and the tokenizer — behind one `forward` that the generator uses."""
+the KV cache, the model and the tokenizer — behind one `forward` that the generator uses.
+Its configuration and plan are engine/options.py's RuntimeOptions and plan_for_options."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,11 +18,12 @@ from mawforge.engine.prompt_reuse import PromptCache
 from mawforge.engine.threads import ThreadGovernor
 from mawforge.text.tokenizer import load_tokenizer
 from mawforge.engine.weights import CommonWeights
+from mawforge.engine.options import RuntimeOptions, plan_for_options
 from mawforge.errors import BudgetRejected, Cancelled, FormatError, RequestError
 from mawforge.kernels import native
 from mawforge.models import model_class
 from mawforge.pack.manifest import read_index, read_manifest
-from mawforge.plan import PREFILL_WAVE, GiB, PackFacts, Plan, framework_in_process, make_plan
+from mawforge.plan import PackFacts, Plan, framework_in_process
 
 
 # Router lookahead (on under --prefetch auto): before layer l's experts, layer l+LOOKAHEAD's
@@ -37,53 +38,6 @@ from mawforge.plan import PREFILL_WAVE, GiB, PackFacts, Plan, framework_in_proce
 # instead of two, which a greedy request inside 8 GiB, where few reads are left to hide, pays
 # for in full.
 LOOKAHEAD = 2
-
-
-@dataclass(frozen=True)
-class RuntimeOptions:
-    context: int = 4096
-    memory_budget_gib: float | None = None
-    expert_cache_percent: float | None = None
-    expert_cache_gib: float | None = None
-    policy: str = "s3fifo"             # measured against lru on full-size traces: cache/policies.py S3FIFO
-    prefetch: str | None = "auto"      # "auto" (engine/prefetch_auto.py), "none", or a policy spec
-    device: str = "cpu"
-    stream_embeddings: bool = False
-    kv_dtype: str | None = None
-    direct_io: bool = True
-    check_digests: bool = True
-    io_threads: int = 4
-    prefill_chunk: int = 128           # tokens one attention (or delta-net) call takes
-    prefill_wave: int = PREFILL_WAVE   # tokens a prompt runs layer by layer (rounded down to whole chunks)
-    threads: int | None = None
-    thread_governor: bool = True       # decode steps choose the kernels' thread count by measured speed
-    lookahead: bool = False            # router lookahead prefetch, LOOKAHEAD layers ahead (on in "auto")
-    reserved_bytes: int = 0            # a draft model's L in this process: the target plans in the rest
-    extra_overhead_bytes: int = 0      # held beside the runtime by the caller (serve's dashboard): in O
-    prompt_cache_gib: float | None = None   # saved prompts (P); 0: off; None: plan.py's auto size
-    max_batch: int = 1                 # sequences a batching server steps at once: K counts each one's KV
-
-    def __post_init__(self) -> None:
-        if self.prefill_chunk < 1:
-            raise FormatError(f"prefill chunk must be positive, got {self.prefill_chunk}")
-        if self.prefill_wave < 1:
-            raise FormatError(f"prefill wave must be positive, got {self.prefill_wave}")
-
-
-def plan_for_options(facts: PackFacts, opts: RuntimeOptions, framework_bytes: int | None = None) -> Plan:
-    """The one plan of a run: the pack's facts under the options' budget, context, cache and
-    prefill settings (framework_bytes: measured in this process, or None for the static figure).
-    The runtime makes it, or takes it made by its caller (`serve` checks it before binding)."""
-    budget, source = opts.memory_budget_gib, "--memory-budget-gib"
-    if budget is not None and opts.reserved_bytes:
-        budget, source = budget - opts.reserved_bytes / GiB, "--memory-budget-gib less the draft's L"
-    return make_plan(facts, memory_budget_gib=budget, context=opts.context,
-                     expert_cache_percent=opts.expert_cache_percent, expert_cache_gib=opts.expert_cache_gib,
-                     stream_embeddings=opts.stream_embeddings, kv_dtype=opts.kv_dtype,
-                     prefill_chunk=opts.prefill_chunk, prefill_wave=opts.prefill_wave,
-                     framework_bytes=framework_bytes, budget_source=source,
-                     extra_overhead_bytes=opts.extra_overhead_bytes, prompt_cache_gib=opts.prompt_cache_gib,
-                     sequences=opts.max_batch)
 
 
 class Runtime:

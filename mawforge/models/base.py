@@ -185,6 +185,10 @@ class MoETransformer:
         self.rope = Rope(cfg.head_dim, cfg.rope_base, cfg.rope_layout, device)
         self.scale = cfg.head_dim ** -0.5
         self.layers = bind_layers(cfg, weights)
+        # every layer's norm weights and the final one, as norm() computes with them, bound once
+        self.norms = [{s: self.norm_weight(w) for s, w in lw.items() if "norm" in s and isinstance(w, torch.Tensor)}
+                      for lw in self.layers]
+        self.output_norm = self.norm_weight(weights.dense("output_norm.weight"))
         # the one-token attention step in one native call, where it gives the same bits (fastpath.py)
         self.decode_attention = DecodeAttention.plan(self)
         # a batch's coordinator (engine/batch.py): gate(model, rows) -> the rows' logits once the LM
@@ -192,8 +196,17 @@ class MoETransformer:
         self.gate = None
 
     # ---- hooks -------------------------------------------------------------------------
-    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return rms_norm(x, self.w.dense(name), self.cfg.norm_eps)
+    def norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x normed with a bound norm weight (self.norms, self.output_norm)."""
+        return rms_norm(x, w, self.cfg.norm_eps)
+
+    def norm_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """A norm weight as norm() takes it, made once at load (an architecture may offset it)."""
+        return w
+
+    def layer_norm(self, layer: int, x: torch.Tensor, suffix: str) -> torch.Tensor:
+        """x normed with blk.{layer}.{suffix} as bound at load."""
+        return self.norm(x, self.norms[layer][suffix])
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.w.embed(tokens)                                               # [T, C] f32
@@ -229,7 +242,7 @@ class MoETransformer:
         return a
 
     def ffn_input(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        return self.norm(h, f"blk.{layer}.{self.ffn_norm_name}")
+        return self.layer_norm(layer, h, self.ffn_norm_name)
 
     def layer_out(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         return h
@@ -331,18 +344,18 @@ class MoETransformer:
             h = self.layer_out(layer, h + y)
             if on_layer is not None:
                 on_layer(layer)
-        return self.norm(h[-1:] if last_only else h, "output_norm.weight")
+        return self.norm(h[-1:] if last_only else h, self.output_norm)
 
     def mix(self, layer: int, h: torch.Tensor, pos: torch.Tensor, kv, chunk: int | None = None) -> torch.Tensor:
         """mixer_out(mixer(attn_norm(h))) [T, C], over `chunk` rows at a time where T is longer:
         chunk c writes its KV (or advances the recurrent state) after the chunks before it and
         attends to them, the same operations on the same rows as one forward per chunk."""
-        T, name = h.shape[0], f"blk.{layer}.attn_norm.weight"
+        T, w = h.shape[0], self.norms[layer]["attn_norm.weight"]
         if chunk is None or T <= chunk:
-            return self.mixer_out(layer, self.mixer(layer, self.norm(h, name), pos, kv))
+            return self.mixer_out(layer, self.mixer(layer, self.norm(h, w), pos, kv))
         parts = []
         for a in range(0, T, chunk):
             b = min(a + chunk, T)
             with kv.ahead(a):
-                parts.append(self.mixer_out(layer, self.mixer(layer, self.norm(h[a:b], name), pos[a:b], kv)))
+                parts.append(self.mixer_out(layer, self.mixer(layer, self.norm(h[a:b], w), pos[a:b], kv)))
         return torch.cat(parts)

@@ -114,7 +114,7 @@ class DecodeAttention:
         from mawforge.models.base import MoETransformer
         t, cfg, w = type(model), model.cfg, model.w
         if any(getattr(t, f) is not getattr(MoETransformer, f)
-               for f in ("norm", "mixer_out", "ffn_input", "layer_out", "ffn", "hidden")):
+               for f in ("norm", "norm_weight", "mixer_out", "ffn_input", "layer_out", "ffn", "hidden")):
             return None, None
         c, (h, d) = cfg.hidden, (cfg.n_heads, cfg.head_dim)
         routers = [None] * len(layers)

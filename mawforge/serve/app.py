@@ -31,7 +31,7 @@ from starlette.routing import Route
 from mawforge.text.chat import ChatTemplate
 from mawforge.engine.generate import validate
 from mawforge.commands.run import add_runtime_arguments, make_recorder, runtime_options
-from mawforge.commands.speculative import add_speculative_arguments, speculator_from_args
+from mawforge.commands.speculative import add_speculative_arguments, spec_options
 from mawforge.errors import BudgetRejected, MawError, RequestError
 from mawforge.serve import limits
 from mawforge.serve import protocol as P
@@ -368,7 +368,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(a: argparse.Namespace) -> int:
     import signal
 
-    from mawforge.engine.runtime import Runtime, plan_for_options
+    from mawforge.api import Model
+    from mawforge.engine.options import plan_for_options
     from mawforge.commands.speculative import uses_draft_pack
     from mawforge.commands.plan import pair_plan_from_args
     from mawforge.plan import PackFacts, framework_in_process
@@ -382,8 +383,8 @@ def main(a: argparse.Namespace) -> int:
     chat = chat_settings(a)                      # a bad template file or kwargs fail before the model loads
     run_plan = None                              # the runtime's plan, made once, here
     if uses_draft_pack(a):                       # the draft's L is planned beside the target's
-        plan = pair_plan_from_args(a)
-        opts = replace(runtime_options(a, plan.draft.L), extra_overhead_bytes=opts.extra_overhead_bytes)
+        plan = pair_plan_from_args(a, opts)
+        opts = replace(opts, reserved_bytes=plan.draft.L)
     else:
         plan = run_plan = plan_for_options(PackFacts.from_pack(a.pack), opts, framework_in_process())
     if not plan.feasible:
@@ -392,10 +393,9 @@ def main(a: argparse.Namespace) -> int:
         return BudgetRejected.exit_code
     sock = bind(a.host, a.port)                  # a busy port fails before the model loads
     recorder = make_recorder(a)
-    rt = Runtime(a.pack, opts, recorder=recorder, plan=run_plan)
-    spec = None
+    model = Model.from_options(a.pack, opts, speculative=spec_options(a), recorder=recorder, plan=run_plan)
+    rt, spec = model.runtime, model.speculator
     try:
-        spec = speculator_from_args(rt, a)
         model_id = a.model_id or Path(a.pack).resolve().name
         app = build_app(rt, model_id, api_key=a.api_key, max_tokens_default=a.max_tokens_default,
                         queue_size=a.queue_size, telemetry_log=a.telemetry_log, speculator=spec,
@@ -409,9 +409,7 @@ def main(a: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, lambda *_: None)
         _Server(app, a.log_level, a.shutdown_grace_s, announce).run(sockets=[sock])
     finally:
-        if spec is not None:
-            spec.close()
-        rt.close()
+        model.close()
         if recorder is not None:
             recorder.save(a.trace_out)
     print("mawforge serve: stopped", file=sys.stderr)

@@ -26,7 +26,7 @@ from mawforge.engine.runtime import Runtime
 from mawforge.engine.sampling import Sampler, SamplingParams
 from mawforge.speculative.accounting import AutoController, Counterfactual, RouteTap, counters, delta
 from mawforge.errors import BudgetRejected, RequestError
-from mawforge.plan import GiB, draft_footprint
+from mawforge.plan import draft_footprint
 
 MODES = ("auto", "off", "ngram", "draft", "mtp")
 clock = time.perf_counter     # the engine-time clock auto compares modes with (tests replace it)
@@ -257,13 +257,12 @@ class Speculator:
 
 
 def check_draft_budget(rt: Runtime, drafter: Drafter) -> None:
-    """The loaded pair against the whole --memory-budget-gib (the target may have planned against
-    the budget less the draft's L: RuntimeOptions.reserved_bytes)."""
+    """The loaded pair against the whole budget (the target may have planned against the budget
+    less the draft's L: RuntimeOptions.reserved_bytes)."""
     draft_rt = getattr(drafter, "rt", None)
     if draft_rt is None:
         return
-    budget = None if rt.opts.memory_budget_gib is None else int(rt.opts.memory_budget_gib * GiB)
-    pair = draft_footprint(rt.plan, draft_rt.plan, budget)
+    pair = draft_footprint(rt.plan, draft_rt.plan, None if rt.opts.budget is None else rt.opts.budget.bytes)
     if not pair.feasible:
         drafter.close()
         raise BudgetRejected(f"plan rejected with the draft model: {pair.reason}")

@@ -16,7 +16,8 @@ from typing import ClassVar
 
 import torch
 
-from mawforge.engine.runtime import Runtime, RuntimeOptions
+from mawforge.engine.options import draft_options
+from mawforge.engine.runtime import Runtime
 from mawforge.engine.sampling import Sampler, SamplingParams
 from mawforge.errors import BudgetRejected, FormatError, UnsupportedError
 
@@ -106,10 +107,7 @@ class DraftModelDrafter(Drafter, name="draft"):
         super().__init__(target, options)
         if not options.draft_pack:
             raise FormatError("--speculative draft needs --draft-pack (a smaller pack with the same tokenizer)")
-        self.rt = Runtime(options.draft_pack, RuntimeOptions(
-            context=target.opts.context, expert_cache_percent=options.draft_cache_percent,
-            policy=target.opts.policy, device=target.opts.device, kv_dtype=target.opts.kv_dtype,
-            direct_io=target.opts.direct_io, prefill_chunk=target.opts.prefill_chunk, prompt_cache_gib=0.0))
+        self.rt = Runtime(options.draft_pack, draft_options(target.opts, options.draft_cache_percent))
         mine = self.rt.tokenizer.tok.get_vocab(with_added_tokens=True)
         theirs = target.tokenizer.tok.get_vocab(with_added_tokens=True)
         if mine != theirs:

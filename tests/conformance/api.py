@@ -17,10 +17,10 @@ from mawforge.formats.source import open_source
 from mawforge.models.kv import KVCache
 from mawforge.pack.manifest import read_index, read_manifest
 from mawforge.pack.packer import pack
-from mawforge.plan import GiB, PackFacts, make_plan
+from mawforge.plan import Budget, GiB, PackFacts, make_plan
 
 __all__ = ["generate", "Runtime", "RuntimeOptions", "Sampler", "SamplingParams", "SpecOptions", "Speculator",
            "BudgetRejected", "MawError", "UnsupportedError", "llama_generate_many", "llama_logits",
            "from_hf_config", "hf_common", "open_source", "KVCache", "read_index", "read_manifest", "pack",
-           "GiB", "PackFacts", "make_plan", "fixture", "from_gguf_metadata", "TINY_ARCHS"]
+           "Budget", "GiB", "PackFacts", "make_plan", "fixture", "from_gguf_metadata", "TINY_ARCHS"]
 

@@ -80,7 +80,7 @@ def test_mtp_memory_counts_against_the_budget(sources, one_thread):
     extra = 96 * (64 + 16) * 4 + 96 * 128 * 4                 # latent rows (kv_lora_rank + rope) + hidden rows
     for margin, fits in ((4096, True), (-4096, False)):
         rt = api.Runtime(pack_dir, api.RuntimeOptions(context=96, expert_cache_percent=50,
-                                                      memory_budget_gib=(L + extra + margin) / 2**30))
+                                                      budget=api.Budget(L + extra + margin, "test")))
         try:
             if fits:
                 sp = api.Speculator(rt, api.SpecOptions(mode="mtp"))

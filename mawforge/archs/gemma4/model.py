@@ -41,15 +41,15 @@ class Gemma4(MoETransformer):
         self.inv_freq = {False: inv_s.to(device), True: inv_f.to(device)}
 
     def attention(self, layer: int, x: torch.Tensor, pos: torch.Tensor, kv) -> torch.Tensor:
-        T, p, full, lw = x.shape[0], f"blk.{layer}.", self.full[layer], self.layers[layer]
+        T, full, lw = x.shape[0], self.full[layer], self.layers[layer]
         G, D = self.shape[full]
         q = linear(x, lw["attn_q.weight"]).float().view(T, -1, D)
         k = linear(x, lw["attn_k.weight"]).float().view(T, G, D)
         v = linear(x, lw["attn_v.weight"]).float().view(T, G, D) \
             if "attn_v.weight" in lw else k
         inv = self.inv_freq[full]
-        q = rope_rotate(self.norm(q, p + "attn_q_norm.weight"), pos, inv)
-        k = rope_rotate(self.norm(k, p + "attn_k_norm.weight"), pos, inv)
+        q = rope_rotate(self.layer_norm(layer, q, "attn_q_norm.weight"), pos, inv)
+        k = rope_rotate(self.layer_norm(layer, k, "attn_k_norm.weight"), pos, inv)
         keys, vals = kv.append(layer, k, _unit_rms(v, self.cfg.norm_eps))           # [G, S, D]
         out = attend(q, keys, vals, 1.0, None if full else self.window)             # [T, H*D]
         return linear(out, lw["attn_output.weight"]).float()
@@ -62,22 +62,23 @@ class Gemma4(MoETransformer):
         return idx, wts * lw["ffn_down_exps.scale"][idx]                # [T, k]
 
     def ffn(self, layer: int, h: torch.Tensor) -> torch.Tensor:
-        p, lw = f"blk.{layer}.", self.layers[layer]
-        x = self.norm(h, p + "ffn_norm.weight")
+        lw = self.layers[layer]
+        x = self.layer_norm(layer, h, "ffn_norm.weight")
         g = linear(x, lw["ffn_gate.weight"]).float()
         u = linear(x, lw["ffn_up.weight"]).float()
         y = linear(F.gelu(g, approximate="tanh") * u, lw["ffn_down.weight"]).float()
         if "ffn_gate_inp.weight" in lw:
             idx, wts = self.route(layer, h)
-            moe = self.experts(layer, self.norm(h, p + "pre_ffw_norm_2.weight"), idx, wts)
-            y = self.norm(y, p + "post_ffw_norm_1.weight") + self.norm(moe, p + "post_ffw_norm_2.weight")
-        return self.norm(y, p + "post_ffw_norm.weight")
+            moe = self.experts(layer, self.layer_norm(layer, h, "pre_ffw_norm_2.weight"), idx, wts)
+            y = (self.layer_norm(layer, y, "post_ffw_norm_1.weight")
+                 + self.layer_norm(layer, moe, "post_ffw_norm_2.weight"))
+        return self.layer_norm(layer, y, "post_ffw_norm.weight")
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.w.embed(tokens) * torch.tensor(self.cfg.hidden ** 0.5)          # [T, C]
 
     def mixer_out(self, layer: int, a: torch.Tensor) -> torch.Tensor:
-        return self.norm(a, f"blk.{layer}.post_attention_norm.weight")
+        return self.layer_norm(layer, a, "post_attention_norm.weight")
 
     def ffn_input(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         return h                     # the FFN and the router normalize the residual stream themselves

@@ -19,10 +19,9 @@ class Glm4Moe(MtpMixin, MoETransformer):
 
     # ---- attention -------------------------------------------------------------------
     def qk_norm(self, layer: int, q: torch.Tensor, k: torch.Tensor):
-        p = f"blk.{layer}."
         if "attn_q_norm.weight" not in self.layers[layer]:
             return q, k
-        return self.norm(q, p + "attn_q_norm.weight"), self.norm(k, p + "attn_k_norm.weight")
+        return self.layer_norm(layer, q, "attn_q_norm.weight"), self.layer_norm(layer, k, "attn_k_norm.weight")
 
     def attention(self, layer: int, x: torch.Tensor, pos: torch.Tensor, kv) -> torch.Tensor:
         cfg, T, lw = self.cfg, x.shape[0], self.layers[layer]
@@ -78,14 +77,14 @@ class Glm4Moe(MtpMixin, MoETransformer):
         normed output (llama.cpp's h_nextn) is what the next chained step reads. The caller
         commits mtp_kv."""
         L = self.cfg.n_layers
-        p = f"blk.{L}."
-        e, hh = self.norm(self.embed(tokens), p + "nextn.enorm.weight"), self.norm(hidden, p + "nextn.hnorm.weight")
+        e = self.layer_norm(L, self.embed(tokens), "nextn.enorm.weight")
+        hh = self.layer_norm(L, hidden, "nextn.hnorm.weight")
         h = self.layers[L].proj("nextn.eh_proj.weight", torch.cat((e, hh), dim=-1)).float()
         pos = torch.arange(pos0, pos0 + tokens.shape[0], device=self.device)
-        h = h + self.attention(L, self.norm(h, p + "attn_norm.weight"), pos, mtp_kv)
+        h = h + self.attention(L, self.layer_norm(L, h, "attn_norm.weight"), pos, mtp_kv)
         x = self.ffn_input(L, h)
         idx, wts = self.route(L, x)
         h = h + self.mtp_experts(L, x, idx, wts) + self.beside_experts(L, x)
         norm = "nextn.shared_head_norm.weight"
-        out = self.norm(h, p + norm if norm in self.layers[L] else "output_norm.weight")
+        out = self.norm(h, self.norms[L].get(norm, self.output_norm))
         return out, self.logits(out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from mawforge.kernels import linear
-from mawforge.models.base import MoETransformer, attend, rope_inv_freq, rms_norm, rope_rotate, route_softmax_topk
+from mawforge.models.base import MoETransformer, attend, rope_inv_freq, rope_rotate, route_softmax_topk
 from mawforge.models.deltanet import DeltaNetMixer
 from mawforge.models.kv import KVCache
 from mawforge.models.mtp import MtpMixin
@@ -17,15 +17,12 @@ class Qwen35Moe(MtpMixin, MoETransformer):
         super().__init__(cfg, weights, experts, device)
         x = cfg.args
         self.full = x.full_layers()        # else a delta-net layer
-        self.offset = float(x.norm_offset)
         self.inv_freq = rope_inv_freq(cfg.rope_base, x.rope_dim, device)     # partial rotary
         self.mixer_linear = DeltaNetMixer(self.layers, x.linear, cfg.norm_eps)
-        self._norms: dict[str, torch.Tensor] = {}
 
-    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        if name not in self._norms:
-            self._norms[name] = self.w.dense(name) + self.offset
-        return rms_norm(x, self._norms[name], self.cfg.norm_eps)
+    def norm_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """1 + w for HF's zero-centred norms (Args.norm_offset 1), w + 0 for GGUF's: made once at load."""
+        return w + float(self.cfg.args.norm_offset)
 
     def beside_experts(self, layer: int, h: torch.Tensor) -> torch.Tensor:
         """The shared expert times sigmoid(h . w_gate); the gate is [1, C] in HF, [C] in GGUF."""
@@ -36,14 +33,14 @@ class Qwen35Moe(MtpMixin, MoETransformer):
         return torch.sigmoid(h @ lw["ffn_gate_inp_shexp.weight"].reshape(-1, 1)) * y
 
     def attention(self, layer: int, x: torch.Tensor, pos: torch.Tensor, kv) -> torch.Tensor:
-        cfg, T, p, lw = self.cfg, x.shape[0], f"blk.{layer}.", self.layers[layer]
+        cfg, T, lw = self.cfg, x.shape[0], self.layers[layer]
         H, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         qg = linear(x, lw["attn_q.weight"]).float().view(T, H, 2 * D)
         q, gate = qg[..., :D], qg[..., D:].reshape(T, H * D)
         k = linear(x, lw["attn_k.weight"]).float().view(T, G, D)
         v = linear(x, lw["attn_v.weight"]).float().view(T, G, D)
-        q = rope_rotate(self.norm(q, p + "attn_q_norm.weight"), pos, self.inv_freq)
-        k = rope_rotate(self.norm(k, p + "attn_k_norm.weight"), pos, self.inv_freq)
+        q = rope_rotate(self.layer_norm(layer, q, "attn_q_norm.weight"), pos, self.inv_freq)
+        k = rope_rotate(self.layer_norm(layer, k, "attn_k_norm.weight"), pos, self.inv_freq)
         keys, vals = kv.append(layer, k, v)                                       # [G, S, D]
         out = attend(q, keys, vals, D ** -0.5) * torch.sigmoid(gate)               # [T, H*D]
         return linear(out, lw["attn_output.weight"]).float()
@@ -61,19 +58,19 @@ class Qwen35Moe(MtpMixin, MoETransformer):
         As llama.cpp's qwen35moe MTP graph: eh_proj(cat(enorm(embed(tok)), hnorm(hidden))), one
         full-attention MoE block at positions pos0.., shared_head_norm, LM head. The normed output
         is what the next chained step reads (as vLLM's Qwen3-Next MTP). The caller commits mtp_kv."""
-        L, p = self.cfg.n_layers, f"blk.{self.cfg.n_layers}."
+        L = self.cfg.n_layers
         lw = self.layers[L]
-        e = self.norm(self.w.embed(tokens), p + "nextn.enorm.weight")
-        hh = self.norm(hidden, p + "nextn.hnorm.weight")
+        e = self.layer_norm(L, self.w.embed(tokens), "nextn.enorm.weight")
+        hh = self.layer_norm(L, hidden, "nextn.hnorm.weight")
         h = linear(torch.cat((e, hh), dim=-1), lw["nextn.eh_proj.weight"]).float()
         pos = torch.arange(pos0, pos0 + tokens.shape[0], device=self.device)
-        h = h + self.attention(L, self.norm(h, p + "attn_norm.weight"), pos, mtp_kv)
-        x = self.norm(h, p + "post_attention_norm.weight")
+        h = h + self.attention(L, self.layer_norm(L, h, "attn_norm.weight"), pos, mtp_kv)
+        x = self.layer_norm(L, h, "post_attention_norm.weight")
         logits = x @ lw["ffn_gate_inp.weight"].T
         idx, wts = route_softmax_topk(logits, self.cfg.top_k, self.cfg.norm_topk_prob)
         h = h + self.mtp_experts(L, x, idx, wts) + self.beside_experts(L, x)
         norm = "nextn.shared_head_norm.weight"
-        out = self.norm(h, p + norm if norm in lw else "output_norm.weight")
+        out = self.norm(h, self.norms[L].get(norm, self.output_norm))
         return out, linear(out, self.w.head()).float()
 
     def mtp_logits(self, hidden: torch.Tensor, tokens: torch.Tensor, pos0: int, mtp_kv: KVCache) -> torch.Tensor:
