@@ -35,6 +35,7 @@ import torch
 
 from mawforge.engine.prompt_reuse import PromptCache
 from mawforge.errors import Cancelled, MawError, RequestError
+from mawforge.kernels import native
 from mawforge.models.fastpath import DecodeAttention
 from mawforge.models.kv import KVCache
 
@@ -145,6 +146,10 @@ class Batch:
         self.peak = 0                       # the most sequences one step has run (telemetry, tests)
         self.steps = 0
         rt.model.experts.gate = self._gate
+        rt.model.gate = self._logits_gate
+        for fast in {id(f): f for f in [rt.model.decode_attention] + [q.kv.fast for q in self.seqs] if f}.values():
+            fast.gate = self._dense_gate
+        self._head_rows = _head_takes_rows(rt.model)
 
     # ---- the sequence side (runs in a request's greenlet) ---------------------------------
     def begin(self, seq: Sequence, remaining: int, kind: str | None) -> int:
@@ -154,10 +159,19 @@ class Batch:
         return self.main.switch(("begin", seq, remaining, kind))
 
     def _gate(self, layer: int, x, idx, w):
-        row = self._stepping.get(greenlet.getcurrent())
-        if row is None:
+        if greenlet.getcurrent() not in self._stepping:
             return None                     # not inside a step (a draft model's call): compute now
         return self.main.switch(("experts", layer, x, idx, w))
+
+    def _dense_gate(self, fast, layer: int, h, pos: int, cos, sin):
+        if greenlet.getcurrent() not in self._stepping:
+            return None
+        return self.main.switch(("dense", layer, fast, h, pos, cos, sin))
+
+    def _logits_gate(self, model, rows):
+        if greenlet.getcurrent() not in self._stepping or model is not self.rt.model:
+            return None
+        return self.main.switch(("logits", rows))
 
     # ---- the scheduler side (runs in the engine thread's main greenlet) -------------------
     def run_all(self, works: list) -> list:
@@ -231,8 +245,15 @@ class Batch:
                 waiting = [r for r in rows if r.park is not None]
                 if not waiting:
                     break
-                layer = min(r.park[1] for r in waiting)
-                self._run_group(layer, [r for r in waiting if r.park[1] == layer], attributed)
+                stage = min(_stage(r.park) for r in waiting)
+                group = [r for r in waiting if _stage(r.park) == stage]
+                kind = group[0].park[0]
+                if kind == "experts":
+                    self._run_group(group[0].park[1], group, attributed)
+                elif kind == "dense":
+                    self._run_dense(group)
+                else:
+                    self._run_logits(group)
         finally:
             for r in rows:
                 self._stepping.pop(r.g, None)
@@ -246,7 +267,7 @@ class Batch:
     def _resume(self, r: _Row, value, throw: BaseException | None = None) -> None:
         out = r.g.throw(throw) if throw is not None else r.g.switch(value)
         r.out = None if r.g.dead else out
-        r.park = out if (not r.g.dead and isinstance(out, tuple) and out[0] == "experts") else None
+        r.park = out if (not r.g.dead and isinstance(out, tuple) and out[0] in PARKS) else None
         if r.park is None:
             self._stepping.pop(r.g, None)   # its forward's piece is done (parked at "begin") or it ended
 
@@ -277,6 +298,70 @@ class Batch:
             n = r.park[2].shape[0]
             self._resume(r, y[a:a + n])
             a += n
+
+
+    def _run_dense(self, group: list[_Row]) -> None:
+        """One decode layer (attention and all up to the experts) for every row of the group at
+        once: the layer's weights read once, each row its own KV (native decode_layer_rows)."""
+        _, layer, fast0, *_ = group[0].park
+        try:
+            h = torch.cat([r.park[3] for r in group])
+            cos = torch.stack([r.park[5] for r in group]).contiguous()
+            sin = torch.stack([r.park[6] for r in group]).contiguous()
+            m = fast0.model_args
+            x = torch.empty(len(group), m.C, dtype=torch.float32)
+            idx = torch.empty(len(group), m.topk, dtype=torch.int64)
+            w = torch.empty(len(group), m.topk, dtype=torch.float32)
+            native.decode_layer_rows([r.park[2].whole[layer] for r in group], m, h, [r.park[4] for r in group],
+                                     cos, sin, x, idx, w)
+        except BaseException as e:          # each sequence of the group fails with it
+            for r in group:
+                self._resume(r, None, throw=e)
+            return
+        for i, r in enumerate(group):
+            r.park[3].copy_(h[i:i + 1])     # the residual stream, updated in place as the one-row call does
+            routed = (idx[i:i + 1], w[i:i + 1]) if r.park[2].routes else None
+            self._resume(r, (x[i:i + 1], routed))
+
+    def _run_logits(self, group: list[_Row]) -> None:
+        """The LM head over every row of the group in one call where that keeps each row's bits."""
+        model = self.rt.model
+        try:
+            rows = [r.park[1] for r in group]
+            if self._head_rows and len(rows) > 1:
+                y, outs, a = model.logits(torch.cat(rows)), [], 0
+                for t in rows:
+                    outs.append(y[a:a + t.shape[0]])
+                    a += t.shape[0]
+            else:
+                outs = [model.logits(t) for t in rows]
+        except BaseException as e:
+            for r in group:
+                self._resume(r, None, throw=e)
+            return
+        for r, y in zip(group, outs):
+            self._resume(r, y)
+
+
+PARKS = ("dense", "experts", "logits")
+
+
+def _stage(park: tuple) -> tuple:
+    """Where a parked sequence is in the step: a layer's attention before its experts, the LM
+    head after every layer."""
+    kind = park[0]
+    return (float("inf"), 2) if kind == "logits" else (park[1], PARKS.index(kind))
+
+
+def _head_takes_rows(model) -> bool:
+    """True where the LM head over several sequences' rows gives each row its own call's bits:
+    the shared logits() over GGUF rows the native kernels compute (torch's float GEMMs may sum a
+    row differently when it has company)."""
+    from mawforge.kernels import native
+    from mawforge.models.base import MoETransformer
+    w = model.w.head()
+    return (type(model).logits is MoETransformer.logits and getattr(w, "codec", None) == "ggml"
+            and w.device.type == "cpu" and native.available(w.ggml_type))
 
 
 def _split(total, weights: list[int]) -> list:

@@ -365,45 +365,61 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_replica_arguments(p)
 
 
-def main(a: argparse.Namespace) -> int:
-    import signal
-
-    from mawforge.api import Model
-    from mawforge.engine.options import plan_for_options
-    from mawforge.commands.speculative import uses_draft_pack
+def plan_served(a: argparse.Namespace):
+    """(options, plan, the runtime's plan or None) of `serve`'s flags, made once: with a draft
+    pack the pair is planned and the target's plan is made by the runtime in what it leaves.
+    `serve` and each of its replicas (serve/replica.py) plan here, where they run."""
     from mawforge.commands.plan import pair_plan_from_args
+    from mawforge.commands.speculative import uses_draft_pack
+    from mawforge.engine.options import plan_for_options
     from mawforge.plan import PackFacts, framework_in_process
-    if a.replicas != 1 or a.ray_address is not None:      # N replicas on Ray Serve, each planned where it runs
-        from mawforge.serve.replicas import serve_replicas
-        return serve_replicas(a)
     opts = runtime_options(a)
     if a.dashboard:                              # its kept route traces are planned in O
         from mawforge.serve.dashboard import kept_trace_bytes
         opts = replace(opts, extra_overhead_bytes=kept_trace_bytes(PackFacts.from_pack(a.pack).top_k))
-    chat = chat_settings(a)                      # a bad template file or kwargs fail before the model loads
-    run_plan = None                              # the runtime's plan, made once, here
     if uses_draft_pack(a):                       # the draft's L is planned beside the target's
         plan = pair_plan_from_args(a, opts)
-        opts = replace(opts, reserved_bytes=plan.draft.L)
-    else:
-        plan = run_plan = plan_for_options(PackFacts.from_pack(a.pack), opts, framework_in_process())
+        return replace(opts, reserved_bytes=plan.draft.L), plan, None
+    plan = plan_for_options(PackFacts.from_pack(a.pack), opts, framework_in_process())
+    return opts, plan, plan
+
+
+def app_for(a: argparse.Namespace, opts, run_plan, chat: dict, recorder=None, telemetry_log: str | None = None):
+    """(app, model): the model loaded through the API's front door and `serve`'s app on it."""
+    from mawforge.api import Model
+    model = Model.from_options(a.pack, opts, speculative=spec_options(a), recorder=recorder, plan=run_plan)
+    try:
+        model_id = a.model_id or Path(a.pack).resolve().name
+        app = build_app(model.runtime, model_id, api_key=a.api_key, max_tokens_default=a.max_tokens_default,
+                        queue_size=a.queue_size, telemetry_log=telemetry_log, speculator=model.speculator,
+                        dashboard=a.dashboard, max_body_bytes=a.max_body_bytes,
+                        responses_store=store_from_args(a), max_batch=a.max_batch,
+                        request_timeout_s=a.request_timeout_s, **chat)
+    except BaseException:
+        model.close()
+        raise
+    return app, model
+
+
+def main(a: argparse.Namespace) -> int:
+    import signal
+
+    if a.replicas != 1 or a.ray_address is not None:      # N replicas on Ray Serve, each planned where it runs
+        from mawforge.serve.replicas import serve_replicas
+        return serve_replicas(a)
+    chat = chat_settings(a)                      # a bad template file or kwargs fail before the model loads
+    opts, plan, run_plan = plan_served(a)
     if not plan.feasible:
         print(plan.table(), file=sys.stderr)
         print(f"mawforge serve: refusing to start: plan rejected: {plan.reason}", file=sys.stderr)
         return BudgetRejected.exit_code
     sock = bind(a.host, a.port)                  # a busy port fails before the model loads
     recorder = make_recorder(a)
-    model = Model.from_options(a.pack, opts, speculative=spec_options(a), recorder=recorder, plan=run_plan)
-    rt, spec = model.runtime, model.speculator
+    app, model = app_for(a, opts, run_plan, chat, recorder, a.telemetry_log)
     try:
         model_id = a.model_id or Path(a.pack).resolve().name
-        app = build_app(rt, model_id, api_key=a.api_key, max_tokens_default=a.max_tokens_default,
-                        queue_size=a.queue_size, telemetry_log=a.telemetry_log, speculator=spec,
-                        dashboard=a.dashboard, max_body_bytes=a.max_body_bytes,
-                        responses_store=store_from_args(a), max_batch=a.max_batch,
-                        request_timeout_s=a.request_timeout_s, **chat)
         announce = lambda url: print(f"mawforge serve: listening on {url} (model {model_id!r}, context "
-                                     f"{opts.context}, queue {a.queue_size})"
+                                     f"{opts.context}, queue {a.queue_size}, batch {a.max_batch})"
                                      + (f"; dashboard at {url}/" if a.dashboard else ""), file=sys.stderr, flush=True)
         # uvicorn re-raises SIGTERM after its graceful shutdown; a no-op handler makes that exit 0.
         signal.signal(signal.SIGTERM, lambda *_: None)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from dataclasses import replace
 from pathlib import Path
 
 from mawforge.errors import BudgetRejected
@@ -25,39 +24,19 @@ START, BODY = "start", "body"         # the kinds of what `http` yields: (START,
 
 
 def build_replica_app(a, name: str):
-    """(app, closers): `mawforge serve`'s app for the options `a`, planned here first."""
-    from mawforge.commands.plan import pair_plan_from_args
-    from mawforge.commands.run import make_recorder, runtime_options
-    from mawforge.commands.speculative import speculator_from_args, uses_draft_pack
-    from mawforge.engine.runtime import Runtime, plan_for_options
-    from mawforge.plan import PackFacts, framework_in_process
-    from mawforge.serve.app import build_app
-    from mawforge.serve.dashboard import kept_trace_bytes
-    from mawforge.serve.responses import store_from_args
+    """(app, closers): `mawforge serve`'s app for the options `a`, planned here first (the same
+    plan_served and app_for as the single server)."""
+    from mawforge.commands.run import make_recorder
+    from mawforge.serve.app import app_for, plan_served
     from mawforge.serve.servecli import chat_settings
 
-    opts = runtime_options(a)
-    if a.dashboard:
-        opts = replace(opts, extra_overhead_bytes=kept_trace_bytes(PackFacts.from_pack(a.pack).top_k))
     chat = chat_settings(a)
-    run_plan = None
-    if uses_draft_pack(a):
-        plan = pair_plan_from_args(a)
-        opts = replace(runtime_options(a, plan.draft.L), extra_overhead_bytes=opts.extra_overhead_bytes)
-    else:
-        plan = run_plan = plan_for_options(PackFacts.from_pack(a.pack), opts, framework_in_process())
+    opts, plan, run_plan = plan_served(a)
     if not plan.feasible:
         raise BudgetRejected(f"replica {name} on {socket.gethostname()}: plan rejected: {plan.reason}")
     recorder = make_recorder(a)
-    rt = Runtime(a.pack, opts, recorder=recorder, plan=run_plan)
-    spec = speculator_from_args(rt, a)
-    model_id = a.model_id or Path(a.pack).resolve().name
-    app = build_app(rt, model_id, api_key=a.api_key, max_tokens_default=a.max_tokens_default,
-                    queue_size=a.queue_size, telemetry_log=_per_replica(a.telemetry_log, name), speculator=spec,
-                    dashboard=a.dashboard, max_body_bytes=a.max_body_bytes, responses_store=store_from_args(a),
-                    max_batch=getattr(a, "max_batch", 1), request_timeout_s=getattr(a, "request_timeout_s", None),
-                    **chat)
-    closers = [c for c in (spec.close if spec is not None else None, rt.close) if c is not None]
+    app, model = app_for(a, opts, run_plan, chat, recorder, _per_replica(a.telemetry_log, name))
+    closers = [model.close]
     if recorder is not None:                   # --trace-out t.npz: replica r1 saves t.r1.npz when it stops
         closers.append(lambda: recorder.save(_per_replica(a.trace_out, name)))
     return app, closers
