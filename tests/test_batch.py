@@ -74,8 +74,8 @@ def test_a_cancelled_prompt_stops_between_pieces_and_leaves_no_cache_entry(pack)
         with pytest.raises(Cancelled):
             batch.run_all([beside, cancelled_once_the_other_moves_on])
         # both began (pieces of 16 beside each other); the cancelled prompt stopped at a layer of
-        # its first piece and never began its second (41 tokens left)
-        assert pieces[:2] == [40, 57] and 41 not in pieces
+        # its second piece (41 tokens left) and never began a third (25 left)
+        assert pieces[:2] == [40, 57] and 25 not in pieces
         assert all(e.tokens != tuple(PROMPTS[2]) for e in rt.prompt_cache.store.entries.values())
         # the slot is whole again: the same prompt runs to the end afterwards
         assert batch.run_all([lambda s: _greedy(s, PROMPTS[2], 3)])[0] == _greedy(rt, PROMPTS[2], 3)

@@ -142,6 +142,7 @@ class Batch:
         self.seqs = [Sequence(rt, self, i) for i in range(max_batch)]
         self.main: greenlet.greenlet | None = None
         self._stepping: dict[greenlet.greenlet, _Row] = {}
+        self._attributed: dict = {}         # the running step's counter deltas already given to sequences
         self.last = StepReport()
         self.peak = 0                       # the most sequences one step has run (telemetry, tests)
         self.steps = 0
@@ -158,18 +159,35 @@ class Batch:
             raise MawError("a batch sequence ran outside its scheduler")
         return self.main.switch(("begin", seq, remaining, kind))
 
+    def _alone(self) -> bool:
+        """True where the running greenlet computes at once: outside a step (a draft model's
+        call), or the only sequence left in it (nobody to share with: no parking)."""
+        return len(self._stepping) < 2 or greenlet.getcurrent() not in self._stepping
+
     def _gate(self, layer: int, x, idx, w):
-        if greenlet.getcurrent() not in self._stepping:
-            return None                     # not inside a step (a draft model's call): compute now
+        row = self._stepping.get(greenlet.getcurrent())
+        if row is None:
+            return None                     # outside a step (a draft model's call): compute now
+        if len(self._stepping) < 2:         # the only sequence left in the step: now, counted as its own
+            return self._experts_now(row, layer, x, idx, w)
         return self.main.switch(("experts", layer, x, idx, w))
 
+    def _experts_now(self, row: _Row, layer: int, x, idx, w):
+        cache = self.rt.cache
+        s0 = cache.stats()
+        y = self.rt.model.experts.compute(layer, x, idx, w)
+        s1 = cache.stats()
+        for k in COUNTED:
+            d = s1[k] - s0[k]
+            self._attributed[k] += d
+            row.seq.cache.share[k] += d
+        return y
+
     def _dense_gate(self, fast, layer: int, h, pos: int, cos, sin):
-        if greenlet.getcurrent() not in self._stepping:
-            return None
-        return self.main.switch(("dense", layer, fast, h, pos, cos, sin))
+        return None if self._alone() else self.main.switch(("dense", layer, fast, h, pos, cos, sin))
 
     def _logits_gate(self, model, rows):
-        if greenlet.getcurrent() not in self._stepping or model is not self.rt.model:
+        if self._alone() or model is not self.rt.model:
             return None
         return self.main.switch(("logits", rows))
 
@@ -235,11 +253,11 @@ class Batch:
         if rt.governor is not None:
             rt.governor.release()           # all threads: a step's speed depends on its rows
         before = cache.stats()
-        attributed = dict.fromkeys(COUNTED, 0)
+        attributed = self._attributed = dict.fromkeys(COUNTED, 0)
         cache.begin_step(kind, tokens)
         try:
+            self._stepping.update((r.g, r) for r in rows)     # all of them first: none runs alone
             for r in rows:
-                self._stepping[r.g] = r
                 self._resume(r, r.n)
             while True:
                 waiting = [r for r in rows if r.park is not None]
