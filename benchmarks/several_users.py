@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(__file__))
 import conv_engines as E  # noqa: E402
 from common import WORK, machine, pack_of, save, synth_model, worker_row  # noqa: E402
-from conversation import WORDS  # noqa: E402
+from conversation import text_of_tokens  # noqa: E402
 
 THREADS = int(os.environ.get("MAWFORGE_BENCH_THREADS", "2"))
 GiB = 2**30
@@ -52,15 +52,10 @@ def prompts(pack: Path, n: int, tokens: int, seed: int = 0) -> list[list[int]]:
     tok = load_tokenizer(pack, read_manifest(pack).tokenizer)
     out = []
     for i in range(n):
-        rng = random.Random(seed * 1000 + i)
-        words = [rng.choice(WORDS) for _ in range(tokens)]
-        while True:     # the fewest words whose rendered chat reaches `tokens`
-            text = tok.chat.render([{"role": "user", "content": f"Stream {i}. Summarize: {' '.join(words)}"}])
-            ids = tok.encode(text, add_special=False)
-            if len(ids) <= tokens or len(words) < 2:
-                break
-            words = words[:max(1, len(words) - max(1, (len(ids) - tokens) // 2))]
-        out.append(ids)
+        render = lambda body: tok.encode(tok.chat.render([{"role": "user", "content": body}]), add_special=False)
+        head = f"Stream {i}. Summarize: "
+        body = text_of_tokens(tok, random.Random(seed * 1000 + i), max(1, tokens - len(render(head))))
+        out.append(render(head + body))
     return out
 
 

@@ -115,3 +115,32 @@ def test_the_plan_holds_the_kv_of_every_sequence(pack):
             build_app(rt, "m", max_batch=2)                 # a runtime planned for one sequence
     finally:
         rt.close()
+
+
+def test_a_small_prompt_store_never_evicts_an_entry_another_sequence_is_filling(pack):
+    """Three prompts prefilled side by side into a store with room for about one: an admit may
+    evict only finished entries (a half-filled one is pinned by its filler), every answer is the
+    answer alone."""
+    from mawforge.byte_rules import prompt_entry_bytes
+    from mawforge.models.kv import layer_layout
+    alone = []
+    for p in PROMPTS[:3]:
+        solo = Runtime(pack, RuntimeOptions(context=128, prefill_chunk=16, expert_cache_percent=100, threads=1,
+                                            prompt_cache_gib=0))
+        try:
+            alone.append(_greedy(solo, p, 4))
+        finally:
+            solo.close()
+    probe = Runtime(pack, RuntimeOptions(context=128, prefill_chunk=16, expert_cache_percent=100, threads=1,
+                                         prompt_cache_gib=0))
+    one = prompt_entry_bytes(layer_layout(probe.cfg), 60, 2, 0, probe.cfg.vocab)
+    probe.close()
+    rt = Runtime(pack, RuntimeOptions(context=128, prefill_chunk=16, expert_cache_percent=100, threads=1,
+                                      max_batch=3, prompt_cache_gib=1.5 * one / 2**30))
+    try:
+        got = Batch(rt, 3, piece=16).run_all([lambda s, p=p: _greedy(s, p, 4) for p in PROMPTS[:3]])
+        assert got == alone
+        report = rt.prompt_cache.store.report()
+        assert report["entries"] <= 2 and report["pinned"] == 0
+    finally:
+        rt.close()

@@ -139,11 +139,13 @@ class PromptStore:
                 self._evict(old)
             self.entries[id(e)] = e
             self.held += e.nbytes
+            e.pins += 1                     # its filler's pin: another sequence's admit cannot evict it half-filled
             return True
 
     def commit(self, e: Entry) -> None:
         with self.lock:
             e.ready = True
+            e.pins = max(0, e.pins - 1)
             self.counters.saved += 1
 
     def drop(self, e: Entry) -> None:
