@@ -15,8 +15,9 @@ different for each stream) as token ids, the same ids for both engines; `ignore_
 generated each. Per (limit, engine, N): per-stream TTFT (median and max) and decode tok/s,
 aggregate tok/s (all tokens over the wall time from sending to the last stream's end), and bytes
 read from storage per generated token (the server process's /proc/PID/io read_bytes, prompts
-included; MawForge's own counters beside it). Both engines first run one warm-up stream (a long
-prompt) so a resident run measures memory, not first reads.
+included). Both engines first run one warm-up stream (a long prompt); resident, MawForge also
+preloads its whole expert cache (`serve --preload`) and llama.cpp's warm-up pages in what it
+touches.
 
     python benchmarks/several_users.py [--streams 1,2,4,8] [--limits 0,8] [--tokens 32] [--prompt-tokens 128]
 
@@ -69,14 +70,18 @@ def proc_read_bytes(pid: int) -> int:
     return 0
 
 
-def summarize(streams: list[dict], wall: float, read: int) -> dict:
+def summarize(streams: list[dict], wall: float, read: int, decode_read: int | None = None) -> dict:
+    """decode_read: bytes read from the moment every stream had its first token to the end (the
+    reads of batched decode alone, prompts excluded)."""
     toks = sum(s["completion_tokens"] for s in streams)
+    later = toks - len(streams)
     ttft = [s["ttft_s"] for s in streams]
     dec = [s["decode_tok_s"] for s in streams if s.get("decode_tok_s")]
     return {"streams": len(streams), "tokens": toks, "wall_s": wall, "aggregate_tok_s": toks / wall,
             "ttft_median_s": statistics.median(ttft), "ttft_max_s": max(ttft),
             "per_stream_tok_s": statistics.median(dec) if dec else None,
             "read_bytes": read, "read_bytes_per_token": read / toks if toks else None,
+            "decode_read_bytes_per_token": decode_read / later if decode_read is not None and later > 0 else None,
             "per_stream": streams}
 
 
@@ -88,7 +93,7 @@ def run_mawforge(pack: Path, reqs: list[list[int]], counts: list[int], tokens: i
     cmd = [sys.executable, "-m", "mawforge.cli", "serve", "--pack", str(pack), "--port", "0", "--model-id",
            E.MODEL_ID, "--context", str(context), "--threads", str(THREADS), "--max-batch", str(max(counts)),
            "--max-waiting", "16", "--no-dashboard"]
-    cmd += (["--expert-cache-percent", "100"] if limit_gib is None
+    cmd += (["--expert-cache-percent", "100", "--preload"] if limit_gib is None
             else ["--memory-budget-gib", f"{0.92 * limit_gib:.3f}"])
     server = E.Server(cmd, log, int(limit_gib * GiB) if limit_gib else None)
     rows = []
@@ -105,12 +110,24 @@ def run_mawforge(pack: Path, reqs: list[list[int]], counts: list[int], tokens: i
         for n in counts:
             out = [None] * n
             r0, t0 = proc_read_bytes(server.proc.pid), time.perf_counter()
+            samples, done = [], threading.Event()
+
+            def sample():                   # (time, read_bytes) every 0.1 s: the reads after the last first token
+                while not done.wait(0.1):
+                    samples.append((time.perf_counter(), proc_read_bytes(server.proc.pid)))
             threads = [threading.Thread(target=one, args=(reqs[i], out, i)) for i in range(n)]
+            watcher = threading.Thread(target=sample)
+            watcher.start()
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
-            rows.append(summarize(out, time.perf_counter() - t0, proc_read_bytes(server.proc.pid) - r0))
+            done.set()
+            watcher.join()
+            end = proc_read_bytes(server.proc.pid)
+            first_all = t0 + max(o["ttft_s"] for o in out)
+            at = next((b for t, b in samples if t >= first_all), end)
+            rows.append(summarize(out, time.perf_counter() - t0, end - r0, end - at))
             print(f"  mawforge {n} streams: {rows[-1]['aggregate_tok_s']:.2f} tok/s aggregate, TTFT max "
                   f"{rows[-1]['ttft_max_s']:.1f} s", file=sys.stderr, flush=True)
     finally:
@@ -173,21 +190,21 @@ def llama_worker(a) -> None:
         toks = [[int(np.argmax(logits[s]))] for s in range(n)]
         t1 = time.perf_counter()
         first = [t1 - t0] * n
-        ends = [t1] * n
+        r1 = proc_read_bytes(os.getpid())
         for step in range(1, a.tokens):
             logits = decode([(toks[s][-1], len(prompt_list[s]) + step - 1, s, True) for s in range(n)])
             for s in range(n):
                 toks[s].append(int(np.argmax(logits[s])))
         t2 = time.perf_counter()
-        ends = [t2] * n
-        return [{"ttft_s": first[s], "completion_tokens": a.tokens,
-                 "decode_tok_s": (a.tokens - 1) / (ends[s] - t1) if a.tokens > 1 else None} for s in range(n)], t2 - t0
+        return ([{"ttft_s": first[s], "completion_tokens": a.tokens,
+                  "decode_tok_s": (a.tokens - 1) / (t2 - t1) if a.tokens > 1 else None} for s in range(n)], t2 - t0,
+                proc_read_bytes(os.getpid()) - r1)
     run([warm])
     rows = []
     for n in counts:
         r0 = proc_read_bytes(os.getpid())
-        streams, wall = run(reqs[:n])
-        rows.append(summarize(streams, wall, proc_read_bytes(os.getpid()) - r0))
+        streams, wall, decode_read = run(reqs[:n])
+        rows.append(summarize(streams, wall, proc_read_bytes(os.getpid()) - r0, decode_read))
         print(f"  llama.cpp {n} streams: {rows[-1]['aggregate_tok_s']:.2f} tok/s aggregate", file=sys.stderr,
               flush=True)
         print(json.dumps({"rows": rows}), flush=True)
@@ -240,6 +257,14 @@ def main() -> None:
     print(f"saved {save('several-users', result)}", file=sys.stderr)
 
 
+def _mb(x):
+    return round(x / 1e6, 1) if x is not None else None
+
+
+def _ratio(a, b):
+    return round(a / b, 2) if a is not None and b else None
+
+
 def report(result: dict) -> dict:
     """Per configuration: each engine's aggregate tok/s and scaling, and the issue's ratios."""
     out = {}
@@ -256,7 +281,12 @@ def report(result: dict) -> dict:
                      "ttft_max_x_solo": round(r["ttft_max_s"] / solo["ttft_median_s"], 2),
                      "read_MB_per_token": r["read_bytes_per_token"] and round(r["read_bytes_per_token"] / 1e6, 1),
                      "read_x_one_stream": (round(r["read_bytes_per_token"] / solo["read_bytes_per_token"], 2)
-                                           if solo["read_bytes_per_token"] else None)} for r in ok]
+                                           if solo["read_bytes_per_token"] else None),
+                     "decode_read_MB_per_token": _mb(r.get("decode_read_bytes_per_token")),
+                     "decode_read_x_one_stream": _ratio(r.get("decode_read_bytes_per_token"),
+                                                        solo.get("decode_read_bytes_per_token")),
+                     "decode_tok_s_aggregate": (round(r["per_stream_tok_s"] * r["streams"], 3)
+                                                if r["per_stream_tok_s"] else None)} for r in ok]
     for key in [k for k in out if k.endswith(" mawforge")]:
         peer = key.replace(" mawforge", " llama.cpp")
         if peer in out and isinstance(out[peer], list) and isinstance(out[key], list):

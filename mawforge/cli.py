@@ -15,7 +15,7 @@ COMMANDS = {
     "synth": "mawforge.synth:",
     "plan": "mawforge.commands.plan:",
     "run": "mawforge.commands.run:",
-    "serve": "mawforge.serve.app:",
+    "serve": "mawforge.commands.serve:",
     "replay": "mawforge.trace.replay:",
     "synth-trace": "mawforge.trace.synthetic:",
     "bench": "mawforge.bench.matrix:",

@@ -25,7 +25,7 @@ from mawforge.demo import demo_gguf
 from mawforge.errors import BudgetRejected, MawError
 from mawforge.pack.packer import pack
 from mawforge.serve.affinity import Affinity, rendezvous, segments
-from mawforge.serve.app import add_arguments
+from mawforge.commands.serve import add_arguments
 
 MODEL, NAMES = "demo", ["r0", "r1"]
 

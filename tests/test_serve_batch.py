@@ -167,3 +167,28 @@ def test_a_reader_that_never_reads_is_cancelled_and_the_others_go_on(rt, server)
     assert job.cancel.is_set() and line["status"] == 499
     assert line["telemetry"]["finish_reason"] == "cancelled" and line["telemetry"]["completion_tokens"] <= 7
     stalled.loop.close()
+
+
+def test_serve_preload_fills_the_expert_cache_before_the_first_request(pack_dir):
+    """`serve --preload` (what the several-users benchmark's resident rows use): the model the CLI
+    builds holds its whole expert cache before any request; without it the cache starts empty."""
+    import argparse
+
+    from mawforge.commands.serve import add_arguments, app_for, plan_served
+    from mawforge.serve.servecli import chat_settings
+
+    held = {}
+    for flag in ([], ["--preload"]):
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        a = p.parse_args(["--pack", str(pack_dir), "--context", str(CONTEXT), "--expert-cache-percent", "100",
+                          "--threads", "1", "--no-dashboard", *flag])
+        opts, _, run_plan = plan_served(a)
+        app, model = app_for(a, opts, run_plan, chat_settings(a))
+        try:
+            cache = model.runtime.cache
+            held[bool(flag)] = (cache.held, cache.capacity)
+        finally:
+            model.close()
+    assert held[False][0] == 0
+    assert held[True][0] > 0.9 * held[True][1]

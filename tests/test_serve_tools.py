@@ -268,7 +268,7 @@ def test_server_options_are_llama_servers_and_fail_in_one_line(tmp_path):
     import argparse
 
     from mawforge.errors import MawError
-    from mawforge.serve.app import add_arguments
+    from mawforge.commands.serve import add_arguments
     from mawforge.serve.servecli import chat_settings
     p = argparse.ArgumentParser()
     add_arguments(p)

@@ -318,6 +318,17 @@ class CacheCore:
                 "prefetch": dict(self._pf), "heat": self.heat.copy() if heat else None,
                 "resident_map": self.resident_map.copy() if heat else None}
 
+    def totals(self) -> dict:
+        """The running counters a request's telemetry takes deltas of, without building the
+        per-layer stats (a batch attributes each layer's reads with it: stats() is ~0.5 ms)."""
+        h = m = ev = mb = 0
+        for c in self._layers.values():
+            h, m, ev, mb = h + c[0], m + c[1], ev + c[2], mb + c[3]
+        pf = self._pf
+        return {"hits": h, "misses": m, "evictions": ev, "materialized_bytes": mb,
+                "prefetch_issued_bytes": pf["issued_bytes"], "prefetch_useful_bytes": pf["useful_bytes"],
+                "prefetch_wasted_bytes": pf["wasted_bytes"]}
+
     def stats(self) -> CacheStats:
         per_layer = tuple(LayerStats(layer, *c) for layer, c in sorted(self._layers.items()))
         pf = self._pf

@@ -242,6 +242,13 @@ class ExpertCache:
         prefetches that had not arrived. Cheap (two floats): read around every decode step."""
         return self.load_seconds + self.prefetch_stall_seconds
 
+    def counters(self) -> dict:
+        """stats()' running counters only (cheap: engine/batch.py reads them around each layer)."""
+        s = self.core.totals()
+        s.update(load_seconds=self.load_seconds, prefetch_stall_seconds=self.prefetch_stall_seconds,
+                 demand_loaded_bytes=self.demand_loaded_bytes)
+        return s
+
     def stats(self) -> dict:
         s = self.core.stats().to_dict()
         s.update(capacity_bytes=self.capacity, held_bytes=self.held, peak_held_bytes=self.peak_held,

@@ -38,28 +38,7 @@ from mawforge.errors import Cancelled, MawError, RequestError
 from mawforge.kernels import native
 from mawforge.models.fastpath import DecodeAttention
 from mawforge.models.kv import KVCache
-
-# the expert cache's counters a request's telemetry takes deltas of (engine/generate.py _telemetry)
-COUNTED = ("hits", "misses", "evictions", "materialized_bytes", "prefetch_issued_bytes", "prefetch_useful_bytes",
-           "prefetch_wasted_bytes", "load_seconds", "prefetch_stall_seconds", "demand_loaded_bytes")
-
-
-class SeqCache:
-    """The expert cache as one sequence sees it: stats() are its share of the counters; the rest
-    is the shared cache's."""
-
-    def __init__(self, cache) -> None:
-        self._cache = cache
-        self.share = dict.fromkeys(COUNTED, 0)
-
-    def stats(self) -> dict:
-        s = self._cache.stats()
-        s.update(self.share)
-        return s
-
-    def __getattr__(self, name):
-        return getattr(self._cache, name)
-
+from mawforge.engine.shares import COUNTED, SeqCache, split
 
 class Sequence:
     """A runtime for one request of a batch: its own KV cache (and fused decode path bound to
@@ -166,17 +145,17 @@ class Batch:
 
     def _gate(self, layer: int, x, idx, w):
         row = self._stepping.get(greenlet.getcurrent())
-        if row is None:
-            return None                     # outside a step (a draft model's call): compute now
+        if row is None or row.seq.cache.running is not None:
+            return None                     # outside a step (a draft model's call), or alone in it: now
         if len(self._stepping) < 2:         # the only sequence left in the step: now, counted as its own
             return self._experts_now(row, layer, x, idx, w)
         return self.main.switch(("experts", layer, x, idx, w))
 
     def _experts_now(self, row: _Row, layer: int, x, idx, w):
         cache = self.rt.cache
-        s0 = cache.stats()
+        s0 = cache.counters()
         y = self.rt.model.experts.compute(layer, x, idx, w)
-        s1 = cache.stats()
+        s1 = cache.counters()
         for k in COUNTED:
             d = s1[k] - s0[k]
             self._attributed[k] += d
@@ -252,9 +231,13 @@ class Batch:
             cache.driver.enabled = True
         if rt.governor is not None:
             rt.governor.release()           # all threads: a step's speed depends on its rows
-        before = cache.stats()
+        before = cache.counters()
         attributed = self._attributed = dict.fromkeys(COUNTED, 0)
+        if len(rows) == 1:                  # alone: no parking, no per-layer counting (SeqCache.stats)
+            rows[0].seq.cache.running = before
         cache.begin_step(kind, tokens)
+        mode = torch.inference_mode()       # as Runtime.forward: the sequences' model code runs inside the step
+        mode.__enter__()
         try:
             self._stepping.update((r.g, r) for r in rows)     # all of them first: none runs alone
             for r in rows:
@@ -273,12 +256,14 @@ class Batch:
                 else:
                     self._run_logits(group)
         finally:
+            mode.__exit__(None, None, None)
             for r in rows:
                 self._stepping.pop(r.g, None)
+                r.seq.cache.running = None
             cache.end_step()
-        after = cache.stats()
+        after = cache.counters()
         for k in COUNTED:                   # what no group took (lookahead prefetch): by tokens
-            for r, part in zip(rows, _split(after[k] - before[k] - attributed[k], [r.n for r in rows])):
+            for r, part in zip(rows, split(after[k] - before[k] - attributed[k], [r.n for r in rows])):
                 r.seq.cache.share[k] += part
         return {r.g: r.out for r in rows if not r.g.dead}
 
@@ -295,21 +280,21 @@ class Batch:
         x = xs[0] if len(group) == 1 else torch.cat(xs)
         idx = group[0].park[3] if len(group) == 1 else torch.cat([r.park[3] for r in group])
         w = group[0].park[4] if len(group) == 1 else torch.cat([r.park[4] for r in group])
-        s0 = cache.stats()
+        s0 = cache.counters()
         try:
             y = self.rt.model.experts.compute(layer, x, idx, w)
         except BaseException as e:          # each sequence of the group fails with it
             for r in group:
                 self._resume(r, None, throw=e)
             return
-        s1 = cache.stats()
+        s1 = cache.counters()
         if len(group) > 1:
             self.last.groups.append(len(group))
         rows = [r.park[2].shape[0] for r in group]
         for k in COUNTED:
             d = s1[k] - s0[k]
             attributed[k] += d
-            for r, part in zip(group, _split(d, rows)):
+            for r, part in zip(group, split(d, rows)):
                 r.seq.cache.share[k] += part
         a = 0
         for r in group:
@@ -380,13 +365,3 @@ def _head_takes_rows(model) -> bool:
     w = model.w.head()
     return (type(model).logits is MoETransformer.logits and getattr(w, "codec", None) == "ggml"
             and w.device.type == "cpu" and native.available(w.ggml_type))
-
-
-def _split(total, weights: list[int]) -> list:
-    """total split in proportion to weights (integers exactly: the remainder to the first)."""
-    w = sum(weights)
-    if isinstance(total, float):
-        return [total * x / w for x in weights]
-    parts = [total * x // w for x in weights]
-    parts[0] += total - sum(parts)
-    return parts

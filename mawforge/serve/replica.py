@@ -27,7 +27,7 @@ def build_replica_app(a, name: str):
     """(app, closers): `mawforge serve`'s app for the options `a`, planned here first (the same
     plan_served and app_for as the single server)."""
     from mawforge.commands.run import make_recorder
-    from mawforge.serve.app import app_for, plan_served
+    from mawforge.commands.serve import app_for, plan_served
     from mawforge.serve.servecli import chat_settings
 
     chat = chat_settings(a)
