@@ -121,25 +121,31 @@ def test_the_portable_build_blocks_prefill_to_the_same_bits(tmp_path):
 
 @needs_avx2
 def test_the_avx512_vnni_kernels_compute_the_avx2_lanes(tmp_path):
-    """The AVX-512 VNNI four-token kernels (built only on CPUs with AVX-512 BW + VNNI, so not on
-    an AVX2-only machine) compiled here with their six 512-bit operations emulated by definition
-    on AVX2 (tests/vnni_emu.h): every prefill result is the AVX2 build's, bit for bit. What this
-    cannot check is the CPU's own instructions; the tests above do that on a VNNI machine."""
+    """The AVX-512 VNNI four-token kernels compiled here twice more: with their six 512-bit
+    operations emulated by definition on AVX2 (tests/vnni_emu.h), and with VNNI off (the AVX2
+    kernels). Every prefill result of the emulation is the AVX2 build's, bit for bit, and so is
+    the loaded library's: on a VNNI CPU (AMD Zen 4, Intel Xeon) that is the CPU's own vpdpwssd
+    against the AVX2 lanes; elsewhere the AVX2 build against itself."""
     import ctypes
     here = os.path.dirname(os.path.abspath(__file__))
-    lib = tmp_path / "emu.so"
     srcs = [str(s) for s in native.SOURCES]
-    r = subprocess.run([C_COMPILER, *native.BASE_FLAGS, "-march=native",
-                        f'-DMAWFORGE_VNNI_EMU="{here}/vnni_emu.h"', *srcs, "-o", str(lib), "-lm"],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    emu = ctypes.CDLL(str(lib))
-    emu.qgemm.argtypes = dict(native._SIGNATURES)["qgemm"]
-    assert emu.vnni_path() == 1 and native.library().vnni_path() == 0
+    libs = {}
+    for name, extra in (("emu", [f'-DMAWFORGE_VNNI_EMU="{here}/vnni_emu.h"']), ("avx2", ["-mno-avx512vnni"])):
+        out = tmp_path / f"{name}.so"
+        r = subprocess.run([C_COMPILER, *native.BASE_FLAGS, "-march=native", *extra, *srcs, "-o", str(out), "-lm"],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        libs[name] = ctypes.CDLL(str(out))
+        libs[name].qgemm.argtypes = dict(native._SIGNATURES)["qgemm"]
+    assert libs["emu"].vnni_path() == 1 and libs["avx2"].vnni_path() == 0
     for qt in (T.Q4_K, T.Q5_K, T.Q6_K):
         raw = _random_rows(qt, 61, 512, seed=2)
         for m in TOKENS:
             x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)) * 3
-            y = torch.empty(m, 61)
-            assert emu.qgemm(int(qt), x.data_ptr(), m, 512, raw.data_ptr(), 61, y.data_ptr()) == 0
-            assert torch.equal(y, native.gemm(x, raw, qt, 61, 512)), (qt, m)
+            ys = {}
+            for name, lib in libs.items():
+                ys[name] = torch.empty(m, 61)
+                assert lib.qgemm(int(qt), x.data_ptr(), m, 512, raw.data_ptr(), 61, ys[name].data_ptr()) == 0
+            assert ys["avx2"].abs().sum() > 0
+            assert torch.equal(ys["emu"], ys["avx2"]), (qt, m)
+            assert torch.equal(native.gemm(x, raw, qt, 61, 512), ys["avx2"]), (qt, m, native.library().vnni_path())
