@@ -532,6 +532,126 @@ FORCE_INLINE void dot4_q0(const uint8_t *w, int nb, const qrow *x, float *out, c
 }
 static void dot4_q80(const uint8_t *w, int nb, const qrow *x, float *out) { dot4_q0(w, nb, x, out, 0); }
 static void dot4_q40(const uint8_t *w, int nb, const qrow *x, float *out) { dot4_q0(w, nb, x, out, 1); }
+/* ---- prefill on AVX-512 VNNI: a Q4_K panel unpacked once, a tile of two rows by four tokens ---
+   The four-token kernel unpacks each weight block (nibbles, scale shuffles) once per four tokens
+   and spends as many instructions on each block's float tail as on its products: at M = 512 it
+   ran at half the speed of ggml's tiled mul_mat on AMD Zen 4 (benchmarks/kernels.py). Here a
+   panel of weight rows is unpacked once for every token of the call (codes as bytes, scales as
+   int16 vectors), and each step computes two rows against four tokens with the two tokens of a
+   pair in one 512-bit register for the float tail. Each pair's eight int32 lanes are the AVX2
+   kernel's (integers are exact) and its float lanes take the same operations in the same order,
+   so the results are the same bits (tests/test_native_prefill.py). Not built under the VNNI
+   emulation, which defines only the four-token kernels' operations. */
+#if VNNI512 && !defined(MAWFORGE_VNNI_EMU)
+#define PANEL_K4 1
+typedef struct {            /* one Q4_K block of one weight row, unpacked (576 bytes) */
+    __m512i q[4];           /* codes of sub-blocks 2j (low half) and 2j + 1 (high half) */
+    __m512i s[4];           /* their scales as int16, sixteen lanes each */
+    __m128i mn;             /* the eight mins as int16 */
+    float d, dmin;
+} k4blk;
+typedef struct {            /* one block of four tokens (256 bytes) */
+    __m512 dx01, dx23;      /* token scales: tokens 0 | 1, 2 | 3, eight lanes each */
+    __m512 dx4;             /* token t's scale in lanes 4t .. 4t + 3 */
+    __m512i bs;             /* token t's eight sub-block sums (int16) in 128-bit lane t */
+} k4grp;
+
+static void k4_unpack(const uint8_t *w, long rb, int nb, int rows, k4blk *out) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    for (int n = 0; n < rows; n++)
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = w + rb * n + 144 * b, *qs = blk + 16;
+            k4blk *o = out + (long)n * nb + b;
+            const __m128i sm = k_scales_v(blk + 4);
+            const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+            o->mn = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(sm, sm));
+            o->d = f16(blk);
+            o->dmin = f16(blk + 2);
+            for (int j = 0; j < 4; j++) {
+                const __m256i q4 = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+                const __m256i lo = _mm256_and_si256(q4, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+                o->q[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                o->s[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_shuffle_epi8(sc, pick16(2 * j))),
+                                             _mm256_shuffle_epi8(sc, pick16(2 * j + 1)), 1);
+            }
+        }
+}
+
+static inline __m512 two8(float a, float b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(a)),
+                                               _mm256_castps_pd(_mm256_set1_ps(b)), 1));
+}
+
+static void k4_group(const qrow *x, int nb, k4grp *g) {
+    for (int b = 0; b < nb; b++) {
+        const float d0 = x[0].d[b], d1 = x[1].d[b], d2 = x[2].d[b], d3 = x[3].d[b];
+        g[b].dx01 = two8(d0, d1);
+        g[b].dx23 = two8(d2, d3);
+        g[b].dx4 = _mm512_setr_ps(d0, d0, d0, d0, d1, d1, d1, d1, d2, d2, d2, d2, d3, d3, d3, d3);
+        __m128i s[4];
+        for (int t = 0; t < 4; t++) {
+            const int16_t *bs = x[t].bs + b * 16;
+            s[t] = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs), _mm_loadu_si128((const __m128i *)(bs + 8)));
+        }
+        g[b].bs = _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(s[0]), s[1], 1),
+                                                        s[2], 2), s[3], 3);
+    }
+}
+
+/* rows a and b (unpacked, nb blocks each) against the four tokens x: o[4 r + t] */
+static void k4_tile(const k4blk *a, const k4blk *b, int nb, const qrow *x, const k4grp *g, float *o) {
+    __m512 acc[2][2] = {{_mm512_setzero_ps(), _mm512_setzero_ps()}, {_mm512_setzero_ps(), _mm512_setzero_ps()}};
+    __m512 accm[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int k = 0; k < nb; k++) {
+        const k4blk *R[2] = {a + k, b + k};
+        __m512i sz[2][4];
+        for (int r = 0; r < 2; r++)
+            for (int t = 0; t < 4; t++) sz[r][t] = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            const __m512i wa = R[0]->q[j], wb = R[1]->q[j], sa = R[0]->s[j], sb = R[1]->s[j];
+            for (int t = 0; t < 4; t++) {
+                const __m512i xv = _mm512_loadu_si512(x[t].q + k * QK + 64 * j);
+                sz[0][t] = _mm512_dpwssd_epi32(sz[0][t], _mm512_maddubs_epi16(wa, xv), sa);
+                sz[1][t] = _mm512_dpwssd_epi32(sz[1][t], _mm512_maddubs_epi16(wb, xv), sb);
+            }
+        }
+        const k4grp *G = g + k;
+        for (int r = 0; r < 2; r++) {
+            for (int p = 0; p < 2; p++) {   /* tokens 2p | 2p + 1: each one's halves added */
+                const __m512i s = _mm512_add_epi32(_mm512_shuffle_i64x2(sz[r][2 * p], sz[r][2 * p + 1], 0x44),
+                                                   _mm512_shuffle_i64x2(sz[r][2 * p], sz[r][2 * p + 1], 0xEE));
+                const __m512 dv = _mm512_mul_ps(_mm512_set1_ps(R[r]->d), p ? G->dx23 : G->dx01);
+                acc[r][p] = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(s), acc[r][p]);
+            }
+            const __m512i m = _mm512_madd_epi16(_mm512_broadcast_i32x4(R[r]->mn), G->bs);
+            accm[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(R[r]->dmin), G->dx4), _mm512_cvtepi32_ps(m), accm[r]);
+        }
+    }
+    for (int r = 0; r < 2; r++) {
+        float f[2][16] __attribute__((aligned(64))), fm[16] __attribute__((aligned(64)));
+        _mm512_store_ps(f[0], acc[r][0]);
+        _mm512_store_ps(f[1], acc[r][1]);
+        _mm512_store_ps(fm, accm[r]);
+        for (int t = 0; t < 4; t++)
+            o[4 * r + t] = hsum_ps(_mm256_load_ps(f[t / 2] + 8 * (t % 2))) - hsum_ps128(_mm_load_ps(fm + 4 * t));
+    }
+}
+
+/* the unpacked panel: per thread, grown once (OpenMP's threads persist between calls) */
+static _Thread_local k4blk *k4_panel = 0;
+static _Thread_local size_t k4_panel_n = 0;
+static k4blk *k4_panel_for(size_t n) {
+    if (n > k4_panel_n) {
+        free(k4_panel);
+        k4_panel = (k4blk *)aligned_alloc(64, n * sizeof(k4blk));
+        k4_panel_n = k4_panel ? n : 0;
+    }
+    return k4_panel;
+}
+#define K4_PANEL_BYTES (160 * 1024)
+#define K4_MIN_TOKENS 8
+#endif
+
 int simd_path(void) { return 1; }
 
 #else   /* the same integer arithmetic in plain C */
@@ -680,8 +800,84 @@ static uint8_t *scratch_for(size_t n) {
    rows at a time where the type has a two-row kernel. Every element is the same float
    computation as the one-token, one-row kernel's (ggml's order), so blocking changes no bit. */
 #define PANEL_BYTES (64 * 1024)
-static void gemm_rows(dot_fn dot, dot4_fn dot4, dot2_fn dot2, const uint8_t *w, long rb, int nb, int n0, int n1,
-                      const qrow *xr, int M, float *const *yr, int y0, const float *scale) {
+/* rows [p0, p1) against the one token xr: y as gemm_rows says, two rows at a time where the type
+   has a two-row kernel */
+static void rows_one_token(dot_fn dot, dot2_fn dot2, const uint8_t *w, long rb, int nb, int p0, int p1, qrow xr,
+                           float *y, int y0, const float *scale) {
+    int n = p0;
+    if (dot2)
+        for (; n + 2 <= p1; n += 2) {
+            float o[2];
+            dot2(w + rb * n, w + rb * (n + 1), nb, xr, o);
+            if (scale) { y[n - y0] += *scale * o[0]; y[n + 1 - y0] += *scale * o[1]; }
+            else { y[n - y0] = o[0]; y[n + 1 - y0] = o[1]; }
+        }
+    for (; n < p1; n++) {
+        const float v = dot(w + rb * n, nb, xr);
+        if (scale) y[n - y0] += *scale * v; else y[n - y0] = v;
+    }
+}
+
+static inline void put4(float *const *yr, int m, int n, int y0, const float *scale, const float *o) {
+    if (scale) for (int r = 0; r < 4; r++) yr[m + r][n - y0] += scale[m + r] * o[r];
+    else for (int r = 0; r < 4; r++) yr[m + r][n - y0] = o[r];
+}
+
+#if PANEL_K4
+/* gemm_rows for Q4_K on AVX-512 VNNI: each panel of rows unpacked once (k4_unpack), then every
+   group of four tokens meets it two rows at a time (k4_tile); an odd last row and the tokens
+   beyond a multiple of four take the kernels gemm_rows uses, so every element keeps its bits. */
+static void gemm_rows_k4(dot_fn dot, dot4_fn dot4, dot2_fn dot2, const uint8_t *w, long rb, int nb, int n0,
+                         int n1, const qrow *xr, int M, float *const *yr, int y0, const float *scale) {
+    int pr = (int)(K4_PANEL_BYTES / ((long)nb * (long)sizeof(k4blk)));
+    pr = pr < 2 ? 2 : pr & ~1;
+    k4blk *panel = k4_panel_for((size_t)pr * nb);
+    k4grp *g = (k4grp *)aligned_alloc(64, sizeof(k4grp) * (size_t)nb);
+    if (!panel || !g) {                       /* no memory for the panel: the four-token path */
+        free(g);
+        for (int m = 0; m + 4 <= M; m += 4)
+            for (int n = n0; n < n1; n++) { float o[4]; dot4(w + rb * n, nb, xr + m, o); put4(yr, m, n, y0, scale, o); }
+        for (int m = M - M % 4; m < M; m++) rows_one_token(dot, dot2, w, rb, nb, n0, n1, xr[m], yr[m], y0, scale ? scale + m : 0);
+        return;
+    }
+    const int m4 = M - M % 4;
+    for (int p0 = n0; p0 < n1; p0 += pr) {
+        const int p1 = p0 + pr < n1 ? p0 + pr : n1, rows = p1 - p0, pairs = rows & ~1;
+        k4_unpack(w + rb * p0, rb, nb, rows, panel);
+        for (int m = 0; m < m4; m += 4) {
+            k4_group(xr + m, nb, g);
+            for (int i = 0; i < pairs; i += 2) {
+                float o[8];
+                k4_tile(panel + (long)i * nb, panel + (long)(i + 1) * nb, nb, xr + m, g, o);
+                put4(yr, m, p0 + i, y0, scale, o);
+                put4(yr, m, p0 + i + 1, y0, scale, o + 4);
+            }
+            if (pairs < rows) { float o[4]; dot4(w + rb * (p1 - 1), nb, xr + m, o); put4(yr, m, p1 - 1, y0, scale, o); }
+        }
+        for (int m = m4; m < M; m++) rows_one_token(dot, dot2, w, rb, nb, p0, p1, xr[m], yr[m], y0, scale ? scale + m : 0);
+    }
+    free(g);
+}
+#endif
+
+/* Weight rows [n0, n1) against the M quantized rows xr[]: y = yr[m][n - y0] (scale NULL) or
+   yr[m][n - y0] += scale[m] * y. The rows go in panels of about PANEL_BYTES, which stay in L2 while
+   each group of four rows of x (a few KiB, in L1) meets every row of the panel through the
+   four-row kernel: each weight block is unpacked once for four tokens, and each x block is
+   read from L1 for every row of the panel instead of from L2 or beyond (the x rows of a 512-token
+   prompt are ~1.1 MiB). The rows of x left over (M % 4) run the one-token kernels, two weight
+   rows at a time where the type has a two-row kernel. Every element is the same float
+   computation as the one-token, one-row kernel's (ggml's order), so blocking changes no bit.
+   Q4_K on AVX-512 VNNI with eight tokens or more goes through gemm_rows_k4. */
+static void gemm_rows(int type, dot_fn dot, dot4_fn dot4, dot2_fn dot2, const uint8_t *w, long rb, int nb, int n0,
+                      int n1, const qrow *xr, int M, float *const *yr, int y0, const float *scale) {
+#if PANEL_K4
+    if (type == T_Q4_K && M >= K4_MIN_TOKENS && dot4) {
+        gemm_rows_k4(dot, dot4, dot2, w, rb, nb, n0, n1, xr, M, yr, y0, scale);
+        return;
+    }
+#endif
+    (void)type;
     int pr = (int)(PANEL_BYTES / rb);
     pr = pr < 4 ? 4 : pr & ~1;
     const int m4 = dot4 ? M - M % 4 : 0;
@@ -691,24 +887,9 @@ static void gemm_rows(dot_fn dot, dot4_fn dot4, dot2_fn dot2, const uint8_t *w, 
             for (int n = p0; n < p1; n++) {
                 float o[4];
                 dot4(w + rb * n, nb, xr + m, o);
-                if (scale) for (int r = 0; r < 4; r++) yr[m + r][n - y0] += scale[m + r] * o[r];
-                else for (int r = 0; r < 4; r++) yr[m + r][n - y0] = o[r];
+                put4(yr, m, n, y0, scale, o);
             }
-        for (int m = m4; m < M; m++) {
-            float *const y = yr[m];
-            int n = p0;
-            if (dot2)
-                for (; n + 2 <= p1; n += 2) {
-                    float o[2];
-                    dot2(w + rb * n, w + rb * (n + 1), nb, xr[m], o);
-                    if (scale) { y[n - y0] += scale[m] * o[0]; y[n + 1 - y0] += scale[m] * o[1]; }
-                    else { y[n - y0] = o[0]; y[n + 1 - y0] = o[1]; }
-                }
-            for (; n < p1; n++) {
-                const float v = dot(w + rb * n, nb, xr[m]);
-                if (scale) y[n - y0] += scale[m] * v; else y[n - y0] = v;
-            }
-        }
+        for (int m = m4; m < M; m++) rows_one_token(dot, dot2, w, rb, nb, p0, p1, xr[m], yr[m], y0, scale ? scale + m : 0);
     }
 }
 
@@ -734,7 +915,7 @@ int qgemm(int type, const float *x, int M, int K, const uint8_t *w, int N, float
         for (int m = 0; m < M; m++) quant_row(type, x + (long)m * K, K, qrow_at(buf + qb * m, K));
         if (M > 1) {   /* prefill, verify: each thread a contiguous run of weight rows, blocked */
             const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
-            gemm_rows(dot, dot4, dot2, w, rb, nb, (int)((long)N * tid / nth), (int)((long)N * (tid + 1) / nth),
+            gemm_rows(type, dot, dot4, dot2, w, rb, nb, (int)((long)N * tid / nth), (int)((long)N * (tid + 1) / nth),
                       xr, M, yr, 0, 0);
         } else {       /* decode: weight rows in pairs, each thread a contiguous run of pairs */
             const qrow x0 = qrow_at(buf, K);
@@ -791,9 +972,9 @@ static int moe_ffn_tiled(const float *x, int M, int C, int F, int E,
             for (int p0 = first[e]; p0 < first[e + 1]; p0 += PC) {
                 const int np = first[e + 1] - p0 < PC ? first[e + 1] - p0 : PC;
                 for (int k = 0; k < np; k++) { xr[k] = qrow_at(xg + qc * tok[p0 + k], C); yr[k] = h + (long)(p0 + k) * F; }
-                gemm_rows(dg, d4g, d2g, gate[e], rbg, nbg, n0, n1, xr, np, yr, 0, 0);
+                gemm_rows(tg, dg, d4g, d2g, gate[e], rbg, nbg, n0, n1, xr, np, yr, 0, 0);
                 for (int k = 0; k < np; k++) { xr[k] = qrow_at(xu + qc * tok[p0 + k], C); yr[k] = ub + k * RB; }
-                gemm_rows(du, d4u, d2u, up[e], rbu, nbu, n0, n1, xr, np, yr, n0, 0);
+                gemm_rows(tu, du, d4u, d2u, up[e], rbu, nbu, n0, n1, xr, np, yr, n0, 0);
                 for (int k = 0; k < np; k++) {
                     float *hv = h + (long)(p0 + k) * F; const float *uv = ub + k * RB;
                     for (int n = n0; n < n1; n++) hv[n] = hv[n] / (1.f + expf(-hv[n])) * uv[n - n0];
@@ -808,7 +989,7 @@ static int moe_ffn_tiled(const float *x, int M, int C, int F, int E,
             for (int p0 = first[e]; p0 < first[e + 1]; p0 += PC) {
                 const int np = first[e + 1] - p0 < PC ? first[e + 1] - p0 : PC;
                 for (int k = 0; k < np; k++) { xr[k] = qrow_at(hq + qf * (p0 + k), F); yr[k] = out + (long)tok[p0 + k] * C; }
-                gemm_rows(dd, d4d, d2d, down[e], rbd, nbd, c0, c1, xr, np, yr, 0, wt + p0);
+                gemm_rows(td, dd, d4d, d2d, down[e], rbd, nbd, c0, c1, xr, np, yr, 0, wt + p0);
             }
     }
     return 0;
