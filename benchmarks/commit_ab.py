@@ -3,7 +3,7 @@ keep the speed? Each commit runs from its own git worktree (work/ab/<commit>) as
 `benchmarks/fullsize.py worker maw` of THAT commit, so each side is measured with its own code,
 on a dropped page cache, resident and inside cgroup v1 memory limits.
 
-    python benchmarks/commit_ab.py --old a88719b --new HEAD [--limits 0,8] [--rounds 3]
+    python benchmarks/commit_ab.py --old a88719b --new HEAD [--limits 0,8] [--rounds 3] [--prompt-tokens 2048]
 
 Per configuration and commit: the teacher-forced decode tok/s, greedy tok/s and TTFT of each
 round, their medians, and new/old ratios; the rounds alternate which commit goes first.
@@ -37,8 +37,10 @@ def tree(rev: str) -> tuple[str, str]:
     return sha, str(path)
 
 
-def row(path: str, pack: str, gib: float | None, rounds_tag: str, timeout: float) -> dict:
+def row(path: str, pack: str, gib: float | None, rounds_tag: str, timeout: float, prompt_tokens: int | None) -> dict:
     args = ["maw", "--pack", pack, "--classes", "code", "--greedy-tokens", "16"]
+    if prompt_tokens:                                   # TTFT is this prompt's prefill
+        args += ["--prompt-tokens", str(prompt_tokens)]
     if gib is None:
         args += ["--cache-percent", "100", "--preload"]
     else:
@@ -62,6 +64,7 @@ def main() -> int:
     ap.add_argument("--limits", default="0,8", help="GiB; 0 = resident (whole model in memory)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=1200)
+    ap.add_argument("--prompt-tokens", type=int, default=None, help="the random prompt (default: the worker's 64)")
     a = ap.parse_args()
     sides = {"old": tree(a.old), "new": tree(a.new)}
     pack = str(pack_of(synth_model(a.layers, "Q4_K_M", skew=1.0, stickiness=0.3)))
@@ -72,7 +75,7 @@ def main() -> int:
         for k in range(a.rounds):
             order = ("old", "new") if k % 2 == 0 else ("new", "old")
             for side in order:
-                r = row(sides[side][1], pack, gib, str(k), a.timeout)
+                r = row(sides[side][1], pack, gib, str(k), a.timeout, a.prompt_tokens)
                 r.update(config=config, side=side, commit=sides[side][0][:12])
                 rows.append(r)
                 print(json.dumps({k2: r.get(k2) for k2 in ("config", "side", "commit", "round", "status",

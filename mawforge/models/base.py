@@ -122,14 +122,14 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float
     qg = q.view(G, H // G, D) if T == 1 else q.view(T, G, H // G, D).permute(1, 2, 0, 3).reshape(G, H // G * T, D)
     if low:
         qg = qg.to(keys.dtype)
-    scores = torch.bmm(qg.float(), keys.transpose(1, 2).float()) * scale          # [G, H/G*T, S]
-    if T > 1 or window is not None:
+    scores = torch.bmm(qg.float(), keys.transpose(1, 2).float()).mul_(scale)     # [G, H/G*T, S]
+    if window is not None:
         qpos = S - T + torch.arange(T, device=q.device)[:, None]                # [T, 1]
         kpos = torch.arange(S, device=q.device)[None]                           # [1, S]
-        mask = kpos > qpos
-        if window is not None:
-            mask = mask | (kpos <= qpos - window)
-        scores = scores.view(G, H // G, T, S).masked_fill(mask, float("-inf")).view(G, H // G * T, S)
+        scores.view(G, H // G, T, S).masked_fill_((kpos > qpos) | (kpos <= qpos - window), float("-inf"))
+    elif T > 1:     # only the chunk's own T columns can lie in a query's future: mask those alone
+        t = torch.arange(T, device=q.device)
+        scores.view(G, H // G, T, S)[..., S - T:].masked_fill_(t[None] > t[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if low:
         probs = probs.to(vals.dtype)
