@@ -791,14 +791,6 @@ static uint8_t *scratch_for(size_t n) {
 }
 
 /* ---- prefill: many rows of x against one matrix, cache-blocked --------------------------- */
-/* Weight rows [n0, n1) against the M quantized rows xr[]: y = yr[m][n - y0] (scale NULL) or
-   yr[m][n - y0] += scale[m] * y. The rows go in panels of about PANEL_BYTES, which stay in L2 while
-   each group of four rows of x (a few KiB, in L1) meets every row of the panel through the
-   four-row kernel: each weight block is unpacked once for four tokens, and each x block is
-   read from L1 for every row of the panel instead of from L2 or beyond (the x rows of a 512-token
-   prompt are ~1.1 MiB). The rows of x left over (M % 4) run the one-token kernels, two weight
-   rows at a time where the type has a two-row kernel. Every element is the same float
-   computation as the one-token, one-row kernel's (ggml's order), so blocking changes no bit. */
 #define PANEL_BYTES (64 * 1024)
 /* rows [p0, p1) against the one token xr: y as gemm_rows says, two rows at a time where the type
    has a two-row kernel */
