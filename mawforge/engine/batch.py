@@ -34,10 +34,11 @@ import greenlet
 import torch
 
 from mawforge.engine.prompt_reuse import PromptCache
-from mawforge.errors import Cancelled, MawError, RequestError
+from mawforge.errors import Cancelled, MawError
 from mawforge.kernels import native
 from mawforge.models.fastpath import DecodeAttention
 from mawforge.models.kv import KVCache
+from mawforge.engine.runtime import check_tokens
 from mawforge.engine.shares import COUNTED, SeqCache, split
 
 class Sequence:
@@ -67,12 +68,7 @@ class Sequence:
 
     def forward(self, tokens: list[int], all_logits: bool = False, kind: str | None = None) -> torch.Tensor:
         """Runtime.forward's contract, run in the batch's steps (a prompt one piece a step)."""
-        if not tokens:
-            raise RequestError("nothing to run: empty token list")
-        self.kv.check_room(len(tokens))
-        bad = [t for t in tokens if not 0 <= t < self.cfg.vocab]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary of {self.cfg.vocab}")
+        check_tokens(tokens, self.kv, self.cfg.vocab)
         outs, i, stop = [], 0, self.interrupt if len(tokens) > 1 else None
 
         def on_layer(layer: int) -> None:   # a cancelled prompt stops at its next layer (Runtime's rule)

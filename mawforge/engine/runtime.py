@@ -40,6 +40,16 @@ from mawforge.plan import PackFacts, Plan, framework_in_process
 LOOKAHEAD = 2
 
 
+
+def check_tokens(tokens: list[int], kv, vocab: int) -> None:
+    """What every forward refuses before any work (Runtime's, and each batch sequence's own KV)."""
+    if not tokens:
+        raise RequestError("nothing to run: empty token list")
+    kv.check_room(len(tokens))
+    bad = [t for t in tokens if not 0 <= t < vocab]
+    if bad:
+        raise RequestError(f"token id {bad[0]} is outside the vocabulary of {vocab}")
+
 class Runtime:
     def __init__(self, pack: str | Path, opts: RuntimeOptions = RuntimeOptions(), recorder=None,
                  prompt_store: PromptStore | None = None, plan: Plan | None = None):
@@ -116,12 +126,7 @@ class Runtime:
         layer by layer (models/base.py hidden: attention over `prefill_chunk` queries at a time,
         the experts over the whole wave), so inside a memory limit each layer's routed blocks
         are read once per wave rather than once per chunk."""
-        if not tokens:
-            raise RequestError("nothing to run: empty token list")
-        self.kv.check_room(len(tokens))
-        bad = [t for t in tokens if not 0 <= t < self.cfg.vocab]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary of {self.cfg.vocab}")
+        check_tokens(tokens, self.kv, self.cfg.vocab)
         outs = []
         step = self.opts.prefill_chunk
         wave = max(step, self.opts.prefill_wave // step * step)    # whole chunks: the same query chunks

@@ -46,31 +46,9 @@ class BatchWorker(EngineWorker):
     def current(self, job) -> None:     # EngineWorker's own bookkeeping; the running dict says it here
         pass
 
-    def cancel_all(self) -> None:
-        self.closing = self.stopping = True
-        with self.q.mutex:
-            jobs = [j for j in self.q.queue if j is not None]
-        with self.lock:
-            jobs += [job for job, _ in self.running.values()]
-        for job in jobs:
-            job.cancel.set()
-
-    def close(self, timeout: float | None = None) -> None:
-        self.closing = True
-        while True:
-            try:
-                job = self.q.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                self._fail(job, Failure(503, "the server shut down before this request started",
-                                        code="shutting_down"))
-        with self.lock:
-            for job, _ in self.running.values():
-                job.cancel.set()
-        if self.thread.is_alive():
-            self.q.put(None)
-            self.thread.join(timeout)
+    def _running(self) -> list[Job]:
+        with self.lock:                         # cancel_all and close come from other threads
+            return [job for job, _ in self.running.values()]
 
     def _slot_for(self, job: Job, free: list[int]) -> int:
         """The free slot whose live KV the job's first prompt reuses most (else the first free)."""

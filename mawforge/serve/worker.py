@@ -204,8 +204,12 @@ class EngineWorker:
         self.closing = self.stopping = True
         with self.q.mutex:
             jobs = [j for j in self.q.queue if j is not None]
-        for job in jobs + ([self.current] if self.current is not None else []):
+        for job in jobs + self._running():
             job.cancel.set()
+
+    def _running(self) -> list[Job]:
+        """The jobs the engine is running now (one here; serve/batching.py's BatchWorker: its batch)."""
+        return [self.current] if self.current is not None else []
 
     def close(self, timeout: float | None = None) -> None:
         """Refuse new jobs, fail the queued ones (503), cancel the running one, join the thread."""
@@ -218,8 +222,8 @@ class EngineWorker:
             if job is not None:
                 self._fail(job, Failure(503, "the server shut down before this request started",
                                         code="shutting_down"))
-        if self.current is not None:
-            self.current.cancel.set()
+        for job in self._running():
+            job.cancel.set()
         if self.thread.is_alive():
             self.q.put(None)
             self.thread.join(timeout)
