@@ -41,8 +41,16 @@ def rand_tokens(n: int, seed: int, vocab: int = 151000) -> list[int]:
 
 
 def context_for(a) -> int:
-    """Both engines' context: 1024, or the prompt and the decode steps with room to spare."""
-    return max(1024, a.prompt_tokens + a.decode_tokens + 64)
+    """Both engines' context: 1024, or the filled positions, the prompt and the decode steps with
+    room to spare."""
+    return max(1024, getattr(a, "fill_context", 0) + a.prompt_tokens + a.decode_tokens + 64)
+
+
+def synthetic_rows(n: int, width: int, seed: int = 5):
+    """n rows of `width` float16 values, normal(0, 1) (a KV cache's contents for --fill-context:
+    attention costs the same whatever the values; both engines get rows of the same distribution)."""
+    import numpy as np
+    return np.random.default_rng(seed).standard_normal((n, width), dtype=np.float32).astype(np.float16)
 
 
 # ---- workers (child processes) ---------------------------------------------------------------
@@ -56,6 +64,35 @@ class LlamaEngine:
 
     def encode(self, text: str) -> list[int]:
         return self.llm.tokenize(text.encode(), add_bos=False, special=False)
+
+    def fill(self, n: int) -> None:
+        """Positions 0..n-1 of sequence 0 hold synthetic keys and values: a sequence state file in
+        llama.cpp's own format (llama_state_seq_save_file's), laid out as llama.cpp lays out this
+        context's cache (read from a state it saved after two real tokens), loaded with
+        llama_state_seq_load_file, which reads it layer by layer into the cache."""
+        import ctypes
+
+        import llama_cpp
+        ctx = self.llm._ctx.ctx
+        os.makedirs(WORK_DIR, exist_ok=True)
+        self.llm.eval([1000, 1001])
+        small = os.path.join(WORK_DIR, f"llama-seq-{os.getpid()}.small")
+        toks = (llama_cpp.llama_token * 2)(1000, 1001)
+        if not llama_cpp.llama_state_seq_save_file(ctx, small.encode(), 0, toks, 2):
+            raise RuntimeError("llama_state_seq_save_file failed")
+        layout = SeqState.parse(open(small, "rb").read())
+        os.unlink(small)
+        big = os.path.join(WORK_DIR, f"llama-seq-{os.getpid()}.state")
+        layout.write(big, n)
+        self.llm.reset()
+        out = (llama_cpp.llama_token * n)()
+        count = ctypes.c_size_t(0)
+        try:
+            if not llama_cpp.llama_state_seq_load_file(ctx, big.encode(), 0, out, n, ctypes.byref(count)):
+                raise RuntimeError("llama_state_seq_load_file failed")
+        finally:
+            os.unlink(big)
+        self.llm.n_tokens = n
 
     def reset(self) -> None:
         self.llm.reset()
@@ -104,6 +141,21 @@ class MawEngine:
     def encode(self, text: str) -> list[int]:
         return self.rt.tokenizer.encode(text)
 
+    def fill(self, n: int) -> None:
+        """Positions 0..n-1 of every attention layer hold synthetic keys and values (the rows
+        LlamaEngine.fill writes); the next token runs at position n."""
+        torch, kv = self.torch, self.rt.kv
+        block = None
+        for kc, vc in zip(kv.k, kv.v):
+            if kc is None or vc is None:
+                continue
+            g, _, d = kc.shape
+            if block is None:
+                block = torch.from_numpy(synthetic_rows(n, g * d)).view(n, g, d).transpose(0, 1).to(kc.dtype)
+            kc[:, :n].copy_(block)
+            vc[:, :n].copy_(block)
+        kv.commit(n)
+
     def reset(self) -> None:
         self.rt.reset()
 
@@ -140,6 +192,87 @@ class MawEngine:
                 "compute_threads": self.rt.governor.report() if self.rt.governor is not None else None}
 
 
+WORK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "work", "bench")
+
+
+class SeqState:
+    """llama.cpp's sequence state file (llama-context.cpp state_seq_save_file, llama-kv-cache.cpp
+    state_write, one stream): magic, version, the token count and tokens, the stream count, then
+    per stream its cell count, each cell's position and sequence ids, and the data: v_trans, the
+    layer count, each layer's key type, row size and rows, then each layer's values (rows, or
+    with v_trans each of the n_embd_v columns over the cells). parse() reads a saved one and
+    checks that writing it back gives the same bytes; write() lays out n cells the same way."""
+
+    def __init__(self, head: bytes, streams: int, v_trans: int, k: list, v: list) -> None:
+        self.head, self.streams, self.v_trans, self.k, self.v = head, streams, v_trans, k, v
+
+    @classmethod
+    def parse(cls, raw: bytes) -> "SeqState":
+        import struct
+        magic, version, nt = struct.unpack_from("<III", raw, 0)
+        at = 12 + 4 * nt
+        streams, cells = struct.unpack_from("<II", raw, at)
+        at += 8
+        for _ in range(cells):                  # pos, n_seq_id, the ids (no cell extension here)
+            _, nseq = struct.unpack_from("<iI", raw, at)
+            at += 8 + 4 * nseq
+        v_trans, layers = struct.unpack_from("<II", raw, at)
+        at += 8
+        k = []
+        for _ in range(layers):
+            ktype, row = struct.unpack_from("<iQ", raw, at)
+            k.append((ktype, row))
+            at += 12 + cells * row
+        v = []
+        for _ in range(layers):
+            if v_trans:
+                vtype, el, width = struct.unpack_from("<iII", raw, at)
+                v.append((vtype, el, width))
+                at += 12 + cells * el * width
+            else:
+                vtype, row = struct.unpack_from("<iQ", raw, at)
+                v.append((vtype, row))
+                at += 12 + cells * row
+        if at != len(raw) or streams != 1:
+            raise RuntimeError(f"unexpected llama.cpp sequence state layout ({at} of {len(raw)} bytes, "
+                               f"{streams} streams)")
+        st = cls(struct.pack("<II", magic, version), streams, v_trans, k, v)
+        if st.layout_bytes(cells) != len(raw):
+            raise RuntimeError("llama.cpp sequence state: cannot lay it out again")
+        return st
+
+    def layout_bytes(self, n: int) -> int:
+        per_v = sum(12 + n * (x[1] * x[2] if self.v_trans else x[1]) for x in self.v)
+        return 12 + 4 * n + 8 + n * 12 + 8 + sum(12 + n * row for _, row in self.k) + per_v
+
+    def write(self, path: str, n: int) -> None:
+        import struct
+
+        import numpy as np
+        ktypes = {t for t, _ in self.k} | {x[0] for x in self.v}
+        if ktypes != {1}:                       # GGML_TYPE_F16
+            raise RuntimeError(f"llama.cpp's cache is not float16 here (types {ktypes})")
+        width = self.k[0][1] // 2
+        rows = synthetic_rows(n, width)
+        with open(path, "wb") as f:
+            f.write(self.head + struct.pack("<I", n) + np.full(n, 1000, np.int32).tobytes())
+            f.write(struct.pack("<II", self.streams, n))
+            cells = np.zeros((n, 3), np.int32)
+            cells[:, 0] = np.arange(n)
+            cells[:, 1] = 1                     # one sequence id: 0
+            f.write(cells.tobytes())
+            f.write(struct.pack("<II", self.v_trans, len(self.k)))
+            for ktype, row in self.k:
+                f.write(struct.pack("<iQ", ktype, row))
+                f.write(rows.tobytes())
+            cols = np.ascontiguousarray(rows.T) if self.v_trans else rows
+            for x in self.v:
+                f.write(struct.pack("<iII", *x) if self.v_trans else struct.pack("<iQ", *x))
+                f.write(cols.tobytes())
+        if os.path.getsize(path) != self.layout_bytes(n):
+            raise RuntimeError("llama.cpp sequence state: wrote the wrong size")
+
+
 def decode_loop(eng, first: int, feed: list[int] | None, n: int, warmup: int) -> dict:
     """n one-token steps, teacher-forced over `feed` or greedy from `first`; stall figures as the
     request telemetry computes them (mawforge.telemetry.StallMeter)."""
@@ -172,12 +305,17 @@ def work(a) -> dict:
     t0 = time.perf_counter()
     eng = MawEngine(a) if a.engine == "maw" else LlamaEngine(a)
     out = {"load_s": time.perf_counter() - t0}
+    if a.fill_context:
+        t0 = time.perf_counter()
+        eng.fill(a.fill_context)
+        out["fill_s"] = time.perf_counter() - t0
     prompt = rand_tokens(a.prompt_tokens, 1)
     read0 = eng.read_bytes()
     t0 = time.perf_counter()
     first = eng.run(prompt)
     out["ttft_s"] = time.perf_counter() - t0
     out["prefill_tok_s"] = len(prompt) / out["ttft_s"]
+    out["context_at_decode"] = a.fill_context + len(prompt)
     out["prefill_read_bytes"], out["prefill_needed_bytes"] = eng.read_bytes() - read0, eng.needed_bytes()
     out.update(decode_loop(eng, first, rand_tokens(a.decode_tokens, 2), a.decode_tokens, a.warmup))
     out["teacher_forced"] = eng.report()
@@ -225,6 +363,8 @@ def main() -> int:
         ap.add_argument("--greedy-tokens", type=int, default=24)
         ap.add_argument("--trace-out", help="MawForge: save the child's route trace here (.npz)")
         ap.add_argument("--policy", default="s3fifo", help="MawForge: expert cache policy")
+        ap.add_argument("--fill-context", type=int, default=0,
+                        help="first fill this many positions with synthetic keys and values (long-context decode)")
         print(json.dumps(work(ap.parse_args())))
         return 0
     ap = argparse.ArgumentParser()

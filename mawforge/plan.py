@@ -22,6 +22,7 @@ table names.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -169,6 +170,25 @@ def native_scratch_bytes(f: PackFacts, t: int) -> int:
     return max(t * _q8_row_bytes(widest), moe)
 
 
+# models/base.py ATTN_SCORES_BYTES and decode_step.c's ATT_BLOCK / ATT_TILE (plan.py imports no torch)
+ATTN_SCORES_BYTES = 64 << 20
+ATT_BLOCK, ATT_TILE = 4, 64
+
+
+def attention_bytes(f: PackFacts, t: int, context: int) -> int:
+    """The attention working set of a chunk of t queries over the whole context, by the larger of
+    its two paths: the native one (decode_step.c attend_rows: per thread, ATT_BLOCK tokens' rows
+    of q, their scores over the context and a tile of converted cache rows; as many threads as
+    the machine has cores) and the torch one (models/base.attend, for sliding windows or where no
+    compiler is found: float32 scores and probabilities of at most ATTN_SCORES_BYTES, or of one
+    query row, and float32 copies of one layer's keys and values)."""
+    hg = f.n_heads // max(1, f.n_kv_heads)
+    per_thread = 4 * (ATT_BLOCK * hg * f.head_dim + ATT_BLOCK * hg * context + ATT_TILE * f.head_dim)
+    native = (os.cpu_count() or 1) * per_thread
+    scores = min(8 * f.n_heads * t * context, max(ATTN_SCORES_BYTES, 8 * f.n_heads * context))
+    return max(native, scores + 2 * f.n_kv_heads * context * f.head_dim * 4)
+
+
 def wave_tokens(context: int, prefill_chunk: int, prefill_wave: int) -> int:
     """Tokens of the longest prefill wave (engine/runtime.py forward): whole chunks, at most the context."""
     t = min(prefill_chunk, context)
@@ -188,7 +208,7 @@ def overhead_bytes(f: PackFacts, context: int, prefill_chunk: int, framework: in
                    prefill_wave: int = PREFILL_WAVE) -> int:
     t = min(prefill_chunk, context)
     w = wave_tokens(context, prefill_chunk, prefill_wave)
-    scores = 2 * f.n_heads * t * context * 4                    # scores + probs, float32
+    scores = attention_bytes(f, t, context)
     acts = t * 4 * (6 * f.hidden + 3 * f.n_heads * f.head_dim + 3 * f.expert_ff * f.top_k)   # one chunk's
     logits = 2 * f.vocab * 4
     slots = len(f.slot_bytes) * f.n_experts * SLOT_OBJECT_BYTES

@@ -64,7 +64,7 @@ def test_a_decode_step_is_one_native_call_a_layer_before_the_experts(packs, kv_d
                 rt.model.decode_attention = None
             logits = [rt.forward(PROMPT)]
             calls = {}
-            for name in ("decode_layer", "attn_qkv", "attend_one", "route_topk", "rms_norm"):
+            for name in ("decode_layer", "attn_qkv", "attend_rows", "route_topk", "rms_norm"):
                 real = getattr(native, name)
                 monkeypatch.setattr(native, name, lambda *a, real=real, name=name: (
                     calls.__setitem__(name, calls.get(name, 0) + 1), real(*a))[1])
@@ -75,7 +75,7 @@ def test_a_decode_step_is_one_native_call_a_layer_before_the_experts(packs, kv_d
                 assert calls == {"decode_layer": n, "rms_norm": len(DECODE)}     # + the output norm
             else:
                 assert "attn_qkv" not in calls and "decode_layer" not in calls
-                assert calls["attend_one"] == n and calls["route_topk"] == n
+                assert calls["attend_rows"] == n and calls["route_topk"] == n
             end = rt.kv.pos
             runs[fast] = (logits, [t[:, :end].clone() for t in rt.kv.k + rt.kv.v])
         finally:

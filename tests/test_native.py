@@ -179,11 +179,14 @@ def test_every_build_attends_and_routes_to_the_same_bits(tmp_path):
     cache = {dt: (torch.randn(2, 40, 64, generator=g).to(getattr(torch, dt)),
                   torch.randn(2, 40, 64, generator=g).to(getattr(torch, dt)))
              for dt in ("float32", "float16", "bfloat16")}
+    qs = torch.randn(7, 8, 64, generator=g)
     x, w = torch.randn(1, 96, generator=g), torch.randn(24, 96, generator=g)
-    torch.save({"q": q, "cache": cache, "x": x, "w": w}, tmp_path / "in.pt")
+    torch.save({"q": q, "qs": qs, "cache": cache, "x": x, "w": w}, tmp_path / "in.pt")
     code = ("import sys, torch; from mawforge.kernels import native; assert not native.simd();"
             "d = torch.load(sys.argv[1] + '/in.pt');"
             "out = {dt: native.attend_one(d['q'], k[:, :33], v[:, :33], 0.125) for dt, (k, v) in d['cache'].items()};"
+            "out.update({dt + '-rows': native.attend_rows(d['qs'], k[:, :37], v[:, :37], 0.125)"
+            " for dt, (k, v) in d['cache'].items()});"
             "out['route'] = native.route_topk(d['x'], d['w'], 5, True);"
             "torch.save(out, sys.argv[1] + '/out.pt')")
     env = dict(os.environ, MAWFORGE_NATIVE_MARCH="x86-64", MAWFORGE_CACHE=str(tmp_path / "cache"))
@@ -197,6 +200,8 @@ def test_every_build_attends_and_routes_to_the_same_bits(tmp_path):
             for dt, (k, v) in cache.items():
                 got = native.attend_one(q, k[:, :33], v[:, :33], 0.125)
                 assert torch.equal(got, portable[dt]) and got.abs().sum() > 0, dt
+                rows = native.attend_rows(qs, k[:, :37], v[:, :37], 0.125)
+                assert torch.equal(rows, portable[dt + "-rows"]) and rows.abs().sum() > 0, dt
             idx, wt = native.route_topk(x, w, 5, True)
             assert torch.equal(idx, portable["route"][0]) and torch.equal(wt, portable["route"][1])
     finally:
@@ -205,6 +210,70 @@ def test_every_build_attends_and_routes_to_the_same_bits(tmp_path):
     ref_w, ref_i = torch.topk(torch.softmax(x @ w.T, -1), 5)
     assert torch.equal(idx, ref_i)
     torch.testing.assert_close(wt, ref_w / ref_w.sum(-1, keepdim=True), rtol=1e-5, atol=1e-6)
+
+
+def _attention_reference(q, keys, vals, scale):
+    """llama.cpp's CPU attention in float64: q and the probabilities rounded to the cache dtype,
+    token t of T seeing the first S - T + t + 1 positions. q [T, H, D], keys/vals [G, S, D]."""
+    T, H, D = q.shape
+    G, S = keys.shape[:2]
+    qr = q.to(keys.dtype).double().view(T, G, H // G, D)
+    sc = torch.einsum("tgjd,gsd->tgjs", qr, keys.double()) * scale
+    sc = sc.masked_fill(torch.arange(S)[None] > (S - T + torch.arange(T))[:, None, None, None], float("-inf"))
+    p = torch.softmax(sc.float(), -1).to(vals.dtype).double()
+    return torch.einsum("tgjs,gsd->tgjd", p, vals.double()).reshape(T, H * D)
+
+
+@pytest.mark.parametrize("dt", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("H,G,D", [(8, 2, 64), (6, 3, 40), (12, 4, 128), (4, 4, 16)])
+def test_prefill_attention_rows_are_the_decode_steps_bits(dt, H, G, D):
+    """attend_rows (a prefill chunk's causal attention) gives every token the bits attend_one (the
+    decode step's attention) gives at that token's position, whatever the thread count, for head
+    dims that are and are not multiples of 16, odd heads per group, a chunk that is not a multiple
+    of the 4-token block and a span that is not a multiple of the 64-row tile; and it is
+    llama.cpp's arithmetic (rounded q and probabilities) to float32 accuracy."""
+    g = torch.Generator().manual_seed(H * D)
+    S, T = 150, 37
+    keys = torch.randn(G, 160, D, generator=g).to(getattr(torch, dt))[:, :S]      # a view of a longer cache
+    vals = torch.randn(G, 160, D, generator=g).to(getattr(torch, dt))[:, :S]
+    q = torch.randn(T, H, D, generator=g) * 2
+    try:
+        outs = []
+        for threads in (1, 2):
+            native.set_thread_limit(threads)
+            rows = native.attend_rows(q, keys, vals, D ** -0.5)
+            for t in (0, 1, 5, 18, 36):
+                one = native.attend_one(q[t:t + 1], keys[:, :S - T + t + 1], vals[:, :S - T + t + 1], D ** -0.5)
+                assert torch.equal(rows[t:t + 1], one), (threads, t)
+            outs.append(rows)
+        assert torch.equal(outs[0], outs[1])
+    finally:
+        native.set_thread_limit(None)
+    ref = _attention_reference(q, keys, vals, D ** -0.5)
+    assert rows.shape == (T, H * D)
+    # a probability's float32 value may differ from torch's in its last bit (another exp), which
+    # can round it to the neighbouring float16/bfloat16 value: one ulp of p times |v| at most
+    ulp = {"float32": 0.0, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}[dt]
+    torch.testing.assert_close(rows.double(), ref, rtol=1e-4, atol=1e-5 + 4 * ulp)
+
+
+def test_prefill_attention_is_what_attend_uses_and_agrees_with_the_torch_path():
+    """models.base.attend takes the native rows for a chunk on the CPU; the torch path (kept for
+    other devices and sliding windows) computes the same attention to float32 rounding."""
+    from mawforge.models import base
+    g = torch.Generator().manual_seed(11)
+    keys = torch.randn(4, 90, 128, generator=g).half()
+    vals = torch.randn(4, 90, 128, generator=g).half()
+    q = torch.randn(20, 32, 128, generator=g)
+    assert native.attend_takes(q, keys, vals)
+    got = base.attend(q, keys, vals, 0.088)
+    assert torch.equal(got, native.attend_rows(q, keys, vals, 0.088))
+    torch_path = base.attend(q, keys, vals, 0.088, window=10_000)       # a window past S: plain causal, in torch
+    # float16 probabilities: a last-bit difference of p in float32 may round to the next float16 value
+    torch.testing.assert_close(got, torch_path, rtol=1e-4, atol=1e-5 + 4 * 2.0 ** -11)
+    # what the native call does not take goes to torch: more queries than positions, mismatched dtypes
+    assert not native.attend_takes(torch.randn(91, 32, 128), keys, vals)
+    assert not native.attend_takes(q, keys, vals.float())
 
 
 def _ggml_weight(qt: T, n: int, k: int):

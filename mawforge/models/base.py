@@ -103,6 +103,11 @@ def rope_rotate(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> t
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
+# the torch path's scores and probabilities of one call at most (float32 [H, T, S] each): a longer
+# chunk goes through in slices of queries (plan.py attention_bytes counts the same bound)
+ATTN_SCORES_BYTES = 64 << 20
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float,
            window: int | None = None) -> torch.Tensor:
     """Causal GQA over cached keys. q [T, H, D], keys/vals [G, S, D] (the last T are the chunk's
@@ -111,12 +116,18 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float
     With a float16/bfloat16 cache this computes as llama.cpp's CPU attention does: q rounded to
     the cache dtype, q.k and p.v accumulated in float32, softmax in float32, the probabilities
     rounded to the cache dtype before p.v (ggml's mul_mat converts src1 to the f16 vec_dot type).
-    One token on the CPU is one native call (kernels/native attend_one: the same steps, summed in
-    its own fixed order), the call a fused decode layer makes (models/fastpath.py)."""
+    On the CPU (no window) one native call computes it (kernels/native attend_rows: the same steps,
+    summed in its own fixed order, every token's row alone), so a prefill row is the bits of the
+    decode step at its position, the call a fused decode layer makes (models/fastpath.py), and no
+    [chunk, S] score matrix or float32 copy of the cache is made."""
     T, H, D = q.shape
-    if T == 1 and window is None and native.attend_takes(q, keys, vals):
-        return native.attend_one(q, keys, vals, scale)     # the same arithmetic in one call, as a decode layer's
+    if window is None and native.attend_takes(q, keys, vals):
+        return native.attend_rows(q, keys, vals, scale)    # the same arithmetic in one call, as a decode layer's
     G, S = keys.shape[0], keys.shape[1]
+    step = max(1, ATTN_SCORES_BYTES // (8 * H * S))
+    if T > step:        # scores and probabilities [H, T, S] float32 within ATTN_SCORES_BYTES (plan.py counts it)
+        return torch.cat([attend(q[a:a + step], keys[:, :S - T + min(a + step, T)], vals[:, :S - T + min(a + step, T)],
+                                 scale, window) for a in range(0, T, step)])
     low = keys.dtype != torch.float32
     # [G, H/G*T, D]; one token is that layout already (the permute and copy would be no-ops)
     qg = q.view(G, H // G, D) if T == 1 else q.view(T, G, H // G, D).permute(1, 2, 0, 3).reshape(G, H // G * T, D)

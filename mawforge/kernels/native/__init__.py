@@ -14,7 +14,8 @@ dot product in integers (kquant_gemm.c explains the arithmetic).
 * `attn_qkv(...)` (decode_step.c): one token's q/k/v projections, q/k RMSNorm and RoPE in one
   call, through the same kernels as the separate calls (the same bits, fewer crossings).
 * `attend_one(q, keys, vals, scale)`, `route_topk(x, w, k, renorm)`: one token's attention over
-  the KV cache and its softmax top-k routing (decode_step.c).
+  the KV cache and its softmax top-k routing (decode_step.c); `attend_rows` a prefill chunk's
+  causal attention, each token's row the bits attend_one gives at its position.
 * `decode_layer(...)`: a decode step's layer up to the routed experts in one call (the norms,
   attention with its KV write, the residual, the router), composed of the calls above
   (models/fastpath.py binds its arguments).
@@ -71,6 +72,7 @@ _SIGNATURES = (("qgemm", [_I, _P, _I, _I, _P, _I, _P]),
                              _P, _P, _I, _P, _P, _P]),
                ("kv_put", [_P, _P, _P, _P, _I, _I, _I, ctypes.c_long, _I]),
                ("attend_one", [_P, _P, _P, _I, ctypes.c_long, _I, _I, _I, _I, ctypes.c_float, _P]),
+               ("attend_rows", [_P, _P, _P, _I, ctypes.c_long, _I, _I, _I, _I, _I, ctypes.c_float, _P]),
                ("route_topk", [_P, _I, _P, _I, _I, _I, _P, _P, _P]),
                ("decode_layer", [_P, _P, _P, _I, _P, _P, _P, _P, _P, _P]),
                ("decode_layer_rows", [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P]))
@@ -325,11 +327,12 @@ def _kv_strides(t: torch.Tensor) -> int | None:
 
 
 def attend_takes(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> bool:
-    """True where `attend_one` computes this one-token attention: float32 q [1, H, D] on the CPU,
-    keys/vals [G, S, D] of one KV dtype with rows of D contiguous and one group stride."""
-    if not (available() and q.device.type == "cpu" and q.dtype == torch.float32 and q.dim() == 3 and q.shape[0] == 1
+    """True where `attend_one` / `attend_rows` compute this attention: float32 q [T, H, D] on the
+    CPU (T <= S), keys/vals [G, S, D] of one KV dtype with rows of D contiguous and one group stride."""
+    if not (available() and q.device.type == "cpu" and q.dtype == torch.float32 and q.dim() == 3
             and keys.dtype in KV_DTYPES and vals.dtype == keys.dtype and keys.device.type == "cpu"
-            and vals.device.type == "cpu" and keys.shape == vals.shape and q.shape[1] % keys.shape[0] == 0):
+            and vals.device.type == "cpu" and keys.shape == vals.shape and q.shape[1] % keys.shape[0] == 0
+            and q.shape[2] == keys.shape[2] and 0 < q.shape[0] <= keys.shape[1]):
         return False
     sg = _kv_strides(keys)
     return sg is not None and _kv_strides(vals) == sg
@@ -337,16 +340,27 @@ def attend_takes(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> boo
 
 def attend_one(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float) -> torch.Tensor:
     """One token's GQA over keys/vals [G, S, D] (as attend_takes allows) -> [1, H*D] float32."""
+    return attend_rows(q, keys, vals, scale)
+
+
+def attend_rows(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal GQA of T query tokens q [T, H, D] at the last T of the S positions of keys/vals
+    [G, S, D] (as attend_takes allows) -> [T, H*D] float32; each token's row is the bits
+    attend_one gives at its position (decode_step.c attend_block)."""
     lib = library()
     _sync_threads(lib)
-    _, h, d = q.shape
+    t, h, d = q.shape
     g, s, _ = keys.shape
     qf = q.contiguous()
-    out = torch.empty(1, h * d, dtype=torch.float32)
-    rc = lib.attend_one(qf.data_ptr(), keys.data_ptr(), vals.data_ptr(), KV_DTYPES[keys.dtype], keys.stride(0),
-                        s, h, g, d, scale, out.data_ptr())
+    out = torch.empty(t, h * d, dtype=torch.float32)
+    if t == 1:
+        rc = lib.attend_one(qf.data_ptr(), keys.data_ptr(), vals.data_ptr(), KV_DTYPES[keys.dtype], keys.stride(0),
+                            s, h, g, d, scale, out.data_ptr())
+    else:
+        rc = lib.attend_rows(qf.data_ptr(), keys.data_ptr(), vals.data_ptr(), KV_DTYPES[keys.dtype], keys.stride(0),
+                             s, t, h, g, d, scale, out.data_ptr())
     if rc != 0:
-        raise MemoryError("native attend_one could not allocate its scratch")
+        raise MemoryError("native attention could not allocate its scratch")
     return out
 
 

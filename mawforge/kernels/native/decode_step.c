@@ -264,63 +264,163 @@ static void softmax_row(float *p, int S, int dtype) {
 }
 
 enum { ATT_TILE = 64 };     /* cache rows converted to float32 at a time (64 x D floats: in L1) */
+enum { ATT_BLOCK = 4 };     /* a prefill's query tokens per work item (their rows share each converted tile) */
 
+/* floats of scratch one attend_block call needs: B tokens of hg rows of D, their scores over S, a tile */
+static size_t attend_need(int B, int hg, int S, int D) {
+    return (size_t)B * hg * D + (size_t)B * hg * S + (size_t)ATT_TILE * D;
+}
+
+/* scores of two query rows against n cached rows: s0[t] = dot16(qa, row t) * scale, s1[t] likewise
+   with qb; eight rows at a time share each load of qa, qb (16 chains), the sums as dot16's */
+static inline void scores2(const float *qa, const float *qb, const float *tile, int n, int D, float scale,
+                           float *s0, float *s1) {
+    int t = 0;
+    if (D % 16 == 0)
+        for (; t + 8 <= n; t += 8) {
+            v16f a0[8] = {{0}}, a1[8] = {{0}};
+            for (int d = 0; d < D; d += 16) {
+                const v16f x = ld16(qa + d), y = ld16(qb + d);
+                for (int i = 0; i < 8; i++) {
+                    const v16f k = ld16(tile + (long)(t + i) * D + d);
+                    a0[i] += x * k;
+                    a1[i] += y * k;
+                }
+            }
+            float r[8];
+            hsum16x8(a0, r);
+            for (int i = 0; i < 8; i++) s0[t + i] = r[i] * scale;
+            hsum16x8(a1, r);
+            for (int i = 0; i < 8; i++) s1[t + i] = r[i] * scale;
+        }
+    for (; t < n; t++) {
+        s0[t] = dot16(qa, tile + (long)t * D, D) * scale;
+        s1[t] = dot16(qb, tile + (long)t * D, D) * scale;
+    }
+}
+
+/* o_j += sum over t < n in order of p_j[t] * row t, for `rows` rows j (o_j at o + j * D, p_j at
+   p + j * ps): four rows by four 16-column blocks at a time share each load (16 chains); each
+   output column is the running sum in t order that a one-row loop gives */
+static void pv_rows(const float *p, long ps, int rows, const float *tile, int n, int D, float *o) {
+    int j = 0;
+    if (D % 64 == 0)
+        for (; j + 4 <= rows; j += 4)
+            for (int d = 0; d < D; d += 64) {
+                v16f acc[4][4];
+                for (int r = 0; r < 4; r++)
+                    for (int c = 0; c < 4; c++) acc[r][c] = ld16(o + (long)(j + r) * D + d + 16 * c);
+                for (int t = 0; t < n; t++) {
+                    const float *vt = tile + (long)t * D + d;
+                    const v16f v0 = ld16(vt), v1 = ld16(vt + 16), v2 = ld16(vt + 32), v3 = ld16(vt + 48);
+                    for (int r = 0; r < 4; r++) {
+                        const float pr = p[(long)(j + r) * ps + t];
+                        acc[r][0] += pr * v0;
+                        acc[r][1] += pr * v1;
+                        acc[r][2] += pr * v2;
+                        acc[r][3] += pr * v3;
+                    }
+                }
+                for (int r = 0; r < 4; r++)
+                    for (int c = 0; c < 4; c++) memcpy(o + (long)(j + r) * D + d + 16 * c, &acc[r][c], sizeof(v16f));
+            }
+    for (; j < rows; j++) {
+        const float *pj = p + (long)j * ps;
+        float *oj = o + (long)j * D;
+        int d = 0;
+        for (; d + 16 <= D; d += 16) {
+            v16f acc = ld16(oj + d);
+            for (int t = 0; t < n; t++) acc += pj[t] * ld16(tile + (long)t * D + d);
+            memcpy(oj + d, &acc, sizeof acc);
+        }
+        for (; d < D; d++) {
+            float a = oj[d];
+            for (int t = 0; t < n; t++) a += pj[t] * tile[(long)t * D + d];
+            oj[d] = a;
+        }
+    }
+}
+
+/* B query tokens' hg rows of one kv group against that group's cache, as models/base.attend
+   computes each token: q rounded to the cache dtype, scores q.k in float32 times scale, softmax
+   in float32 (max subtracted), the probabilities rounded to the cache dtype, p.v in float32.
+   Token b's rows are q + b * qs (hg * D floats); it sees positions 0..span[b] - 1 of the group's
+   rows kc/vc + at ([S, D], S the largest span); its output goes to out + b * os. Every row is
+   computed alone in one fixed order (dot16's for a score, softmax_row's, then the sum over
+   positions in order), so a token's result is the same bits whichever block, span or thread
+   count it is computed with: a prefill row equals the decode step's at its position. */
+static void attend_block(const float *q, long qs, int B, const int *span, const void *kc, const void *vc,
+                         long at, int dtype, int hg, int D, float scale, float *buf, float *out, long os) {
+    int S = 0;
+    for (int b = 0; b < B; b++) S = span[b] > S ? span[b] : S;
+    const int R = hg * D;
+    float *qr = buf, *sc = qr + (size_t)B * R, *tile = sc + (size_t)B * hg * S;
+    for (int b = 0; b < B; b++) memcpy(qr + (long)b * R, q + b * qs, sizeof(float) * R);
+    round_row(dtype, qr, B * R);
+    for (int s0 = 0; s0 < S; s0 += ATT_TILE) {
+        const int n = S - s0 < ATT_TILE ? S - s0 : ATT_TILE;
+        for (int t = 0; t < n; t++) row_load(kc, dtype, at + (long)(s0 + t) * D, D, tile + (long)t * D);
+        for (int b = 0; b < B; b++) {
+            const int nb = span[b] - s0 < n ? span[b] - s0 : n;
+            if (nb <= 0) continue;
+            const float *qb = qr + (long)b * R;
+            float *sb = sc + (long)b * hg * S + s0;
+            int j = 0;
+            for (; j + 2 <= hg; j += 2)
+                scores2(qb + (long)j * D, qb + (long)(j + 1) * D, tile, nb, D, scale, sb + (long)j * S,
+                        sb + (long)(j + 1) * S);
+            for (; j < hg; j++)
+                for (int t = 0; t < nb; t++) sb[(long)j * S + t] = dot16(qb + (long)j * D, tile + (long)t * D, D) * scale;
+        }
+    }
+    for (int b = 0; b < B; b++) {
+        for (int j = 0; j < hg; j++) softmax_row(sc + ((long)b * hg + j) * S, span[b], dtype);
+        memset(out + b * os, 0, sizeof(float) * R);
+    }
+    for (int s0 = 0; s0 < S; s0 += ATT_TILE) {
+        const int n = S - s0 < ATT_TILE ? S - s0 : ATT_TILE;
+        for (int t = 0; t < n; t++) row_load(vc, dtype, at + (long)(s0 + t) * D, D, tile + (long)t * D);
+        for (int b = 0; b < B; b++) {
+            const int nb = span[b] - s0 < n ? span[b] - s0 : n;
+            if (nb > 0) pv_rows(sc + (long)b * hg * S + s0, S, hg, tile, nb, D, out + b * os);
+        }
+    }
+}
+
+/* One query token's grouped-query attention over S cached positions: q [H*D]; kc/vc [G, ctx, D]
+   (sg = ctx * D between groups); out [H*D]. Each group's heads on one thread. Returns 0, or -2
+   when the scratch cannot be allocated. */
 int attend_one(const float *q, const void *kc, const void *vc, int dtype, long sg, int S,
                int H, int G, int D, float scale, float *out) {
     const int hg = H / G;
-    const size_t per = (size_t)hg * D + (size_t)hg * S + (size_t)ATT_TILE * D;
+    const size_t per = attend_need(1, hg, S, D);
     float *buf = attn_scratch(per * G);
     if (!buf) return -2;
     #pragma omp parallel for schedule(static) num_threads(omp_team())
-    for (int g = 0; g < G; g++) {
-        float *qr = buf + per * g, *sc = qr + (size_t)hg * D, *tile = sc + (size_t)hg * S;
-        memcpy(qr, q + (long)g * hg * D, sizeof(float) * hg * D);
-        round_row(dtype, qr, hg * D);
-        /* scores: each is dot16(q_j, k_s) (16 lanes, then pairwise), eight positions at a time */
-        for (int s0 = 0; s0 < S; s0 += ATT_TILE) {
-            const int n = S - s0 < ATT_TILE ? S - s0 : ATT_TILE;
-            for (int t = 0; t < n; t++) row_load(kc, dtype, g * sg + (long)(s0 + t) * D, D, tile + (long)t * D);
-            for (int j = 0; j < hg; j++) {
-                const float *qj = qr + (long)j * D;
-                float *sj = sc + (long)j * S + s0;
-                int t = 0;
-                if (D % 16 == 0)
-                    for (; t + 8 <= n; t += 8) {
-                        v16f acc[8] = {{0}};
-                        for (int d = 0; d < D; d += 16) {
-                            const v16f qv = ld16(qj + d);
-                            for (int i = 0; i < 8; i++) acc[i] += qv * ld16(tile + (long)(t + i) * D + d);
-                        }
-                        float r[8];
-                        hsum16x8(acc, r);
-                        for (int i = 0; i < 8; i++) sj[t + i] = r[i] * scale;
-                    }
-                for (; t < n; t++) sj[t] = dot16(qj, tile + (long)t * D, D) * scale;
-            }
-        }
-        for (int j = 0; j < hg; j++) softmax_row(sc + (long)j * S, S, dtype);
-        /* out_j = sum over s in order of p_js * v_s: per 16 columns, the running sum in a register */
-        float *o = out + (long)g * hg * D;
-        memset(o, 0, sizeof(float) * hg * D);
-        for (int s0 = 0; s0 < S; s0 += ATT_TILE) {
-            const int n = S - s0 < ATT_TILE ? S - s0 : ATT_TILE;
-            for (int t = 0; t < n; t++) row_load(vc, dtype, g * sg + (long)(s0 + t) * D, D, tile + (long)t * D);
-            for (int j = 0; j < hg; j++) {
-                const float *pj = sc + (long)j * S + s0;
-                float *oj = o + (long)j * D;
-                int d = 0;
-                for (; d + 16 <= D; d += 16) {
-                    v16f acc = ld16(oj + d);
-                    for (int t = 0; t < n; t++) acc += pj[t] * ld16(tile + (long)t * D + d);
-                    memcpy(oj + d, &acc, sizeof acc);
-                }
-                for (; d < D; d++) {
-                    float a = oj[d];
-                    for (int t = 0; t < n; t++) a += pj[t] * tile[(long)t * D + d];
-                    oj[d] = a;
-                }
-            }
-        }
+    for (int g = 0; g < G; g++)
+        attend_block(q + (long)g * hg * D, 0, 1, &S, kc, vc, g * sg, dtype, hg, D, scale, buf + per * g,
+                     out + (long)g * hg * D, 0);
+    return 0;
+}
+
+/* A prefill chunk's causal attention: T query tokens q [T, H*D] at the last T of S cached
+   positions (token t sees positions 0..S - T + t), out [T, H*D]. Work items are (group, block of
+   ATT_BLOCK tokens), taken by the team's threads as they come free; each token's rows get the bits
+   attend_one gives at its position. Returns 0, or -2 when the scratch cannot be allocated. */
+int attend_rows(const float *q, const void *kc, const void *vc, int dtype, long sg, int S, int T,
+                int H, int G, int D, float scale, float *out) {
+    const int hg = H / G, nb = (T + ATT_BLOCK - 1) / ATT_BLOCK, team = omp_team();
+    const size_t per = attend_need(ATT_BLOCK, hg, S, D);
+    float *buf = attn_scratch(per * team);
+    if (!buf) return -2;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(team)
+    for (int item = 0; item < G * nb; item++) {
+        const int g = item % G, t0 = item / G * ATT_BLOCK;
+        const int B = T - t0 < ATT_BLOCK ? T - t0 : ATT_BLOCK;
+        int span[ATT_BLOCK];
+        for (int b = 0; b < B; b++) span[b] = S - T + t0 + b + 1;
+        attend_block(q + (long)t0 * H * D + (long)g * hg * D, (long)H * D, B, span, kc, vc, g * sg, dtype, hg, D,
+                     scale, buf + per * omp_get_thread_num(), out + (long)t0 * H * D + (long)g * hg * D, (long)H * D);
     }
     return 0;
 }

@@ -1,0 +1,72 @@
+"""benchmarks/long_context.py's instrument, on the shipped demo model: both engines start decode
+from the same synthetic cache of N positions (MawForge's KV rows, llama.cpp's sequence state in
+its own file format), so the same token at position N gives both the same greedy next token, and
+llama.cpp's cache then holds N + 1 cells; a state file that is not what llama.cpp writes is refused."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from mawforge.demo import demo_gguf
+from mawforge.pack.packer import pack
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _module(name: str):
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_both_engines_decode_the_same_token_after_the_same_synthetic_context(tmp_path):
+    import llama_cpp
+    fs = _module("fullsize")
+    gguf = demo_gguf("Q4_K_M")
+    pk = tmp_path / "pack"
+    pack(gguf, pk, progress=False)
+    n = 300
+    a = types.SimpleNamespace(model=str(gguf), no_repack=True, fill_context=n, prompt_tokens=1, decode_tokens=4)
+    llama = fs.LlamaEngine(a)
+    llama.fill(n)
+    mem = llama_cpp.llama_get_memory(llama.llm._ctx.ctx)
+    assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == n - 1 and llama.llm.n_tokens == n
+    m = types.SimpleNamespace(pack=str(pk), fill_context=n, prompt_tokens=1, decode_tokens=4, cache_percent=100,
+                              budget_gib=None, prefill_chunk=128, prefetch="none", io_threads=2, policy="s3fifo",
+                              trace_out=None, route_trace=None, preload=False)
+    maw = fs.MawEngine(m)
+    try:
+        maw.fill(n)
+        assert maw.rt.kv.pos == n
+        for tok in (1000, 2345):
+            assert maw.run([tok]) == llama.run([tok])
+        assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == n + 1 and maw.rt.kv.pos == n + 2
+    finally:
+        maw.rt.close()
+
+
+def test_a_state_file_of_another_layout_is_refused():
+    import struct
+    fs = _module("fullsize")
+    head = struct.pack("<III", 0x67677371, 3, 0) + struct.pack("<II", 1, 0)
+    with pytest.raises(RuntimeError, match="unexpected llama.cpp sequence state layout"):
+        fs.SeqState.parse(head + b"\0" * 16)
+    with pytest.raises(struct.error):
+        fs.SeqState.parse(head[:10])
+
+
+def test_the_report_puts_each_context_beside_llama_cpp():
+    lc = _module("long_context")
+    rows = [{"context": 4096, "engine": e, "status": "ok", "decode_tok_s": t, "peak_rss_bytes": 2 ** 30,
+             **({"planned_F": 2 ** 31} if e != "llama" else {})}
+            for e, t in (("maw", 6.0), ("llama", 4.0), ("maw@8", 3.0), ("maw", 8.0))]
+    rep = lc.report(rows)[4096]
+    assert rep["maw"]["decode_tok_s"] == 7.0 and rep["maw_x_llama_cpp"] == 7.0 / 4.0
+    assert rep["maw@8_x_llama_cpp_resident"] == 0.75 and rep["maw"]["planned_F_gib"] == 2.0
+    assert "planned_F_gib" not in rep["llama"]
