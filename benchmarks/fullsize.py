@@ -59,8 +59,9 @@ class LlamaEngine:
         import llama_cpp
         if a.no_repack:
             llama_repack_off()
+        self.flash_attn = bool(getattr(a, "flash_attn", False))     # llama-cpp-python's default: off
         self.llm = llama_cpp.Llama(a.model, n_ctx=context_for(a), n_batch=512, n_threads=THREADS,
-                                   n_threads_batch=THREADS, verbose=False)
+                                   n_threads_batch=THREADS, flash_attn=self.flash_attn, verbose=False)
 
     def encode(self, text: str) -> list[int]:
         return self.llm.tokenize(text.encode(), add_bos=False, special=False)
@@ -116,7 +117,7 @@ class LlamaEngine:
         return 0
 
     def report(self) -> dict:
-        return {}
+        return {"flash_attn": self.flash_attn}
 
 
 class MawEngine:
@@ -363,6 +364,7 @@ def main() -> int:
         ap.add_argument("--greedy-tokens", type=int, default=24)
         ap.add_argument("--trace-out", help="MawForge: save the child's route trace here (.npz)")
         ap.add_argument("--policy", default="s3fifo", help="MawForge: expert cache policy")
+        ap.add_argument("--flash-attn", action="store_true", help="llama.cpp: flash attention on")
         ap.add_argument("--fill-context", type=int, default=0,
                         help="first fill this many positions with synthetic keys and values (long-context decode)")
         print(json.dumps(work(ap.parse_args())))

@@ -13,7 +13,9 @@ steps before it) and runs the experts its token routes to. Then one token at pos
     python benchmarks/long_context.py [--contexts 4096,16384,32768] [--limits 8] [--rounds 1]
 
 Engines alternate within each round; llama.cpp loads with repack off (its default load needs
-more memory than this machine has) and runs resident only (inside 8 GiB it decodes at ~0.1
+more memory than this machine has), once with llama-cpp-python's default (flash attention off)
+and once with flash attention on (`llama-fa`: what a long-context user would turn on), and runs
+resident only (inside 8 GiB it decodes at ~0.1
 tok/s at short context: RESULTS.md). Reported per context: each engine's decode tok/s (median
 over rounds), MawForge / llama.cpp (target >= 1.0), peak RSS and, for MawForge, the plan's F.
 """
@@ -36,8 +38,9 @@ GiB = 2**30
 def row(engine: str, gguf, pack, n: int, decode: int, warmup: int, limit: float | None) -> dict:
     args = [engine, "--fill-context", str(n), "--prompt-tokens", "1", "--decode-tokens", str(decode),
             "--warmup", str(warmup), "--classes", ""]
-    if engine == "llama":
-        args += ["--model", str(gguf), "--no-repack"]
+    if engine.startswith("llama"):
+        args[0] = "llama"
+        args += ["--model", str(gguf), "--no-repack", *(["--flash-attn"] if engine == "llama-fa" else [])]
     elif limit:
         args += ["--pack", str(pack), "--budget-gib", f"{0.92 * limit:.3f}"]
     else:
@@ -63,11 +66,12 @@ def report(rows: list[dict]) -> dict:
         o = {e: {"decode_tok_s": get(e, "decode_tok_s"), "peak_rss_gib": get(e, "peak_rss_bytes") / GiB,
                  **({"planned_F_gib": get(e, "planned_F") / GiB} if all(r.get("planned_F") for r in by[e]) else {})}
              for e in by}
-        if "maw" in by and "llama" in by:
-            o["maw_x_llama_cpp"] = get("maw", "decode_tok_s") / get("llama", "decode_tok_s")
-        for e in [e for e in by if e.startswith("maw@")]:
-            if "llama" in by:
-                o[f"{e}_x_llama_cpp_resident"] = get(e, "decode_tok_s") / get("llama", "decode_tok_s")
+        for peer in ("llama", "llama-fa"):
+            if "maw" in by and peer in by:
+                o[f"maw_x_{peer}"] = get("maw", "decode_tok_s") / get(peer, "decode_tok_s")
+            for e in [e for e in by if e.startswith("maw@")]:
+                if peer in by:
+                    o[f"{e}_x_{peer}_resident"] = get(e, "decode_tok_s") / get(peer, "decode_tok_s")
         out[n] = o
     return out
 
@@ -77,7 +81,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--contexts", default="4096,16384,32768")
     ap.add_argument("--limits", default="8", help="GiB for MawForge's limited rows ('' for none)")
-    ap.add_argument("--engines", default="maw,llama", help="resident engines: maw, llama")
+    ap.add_argument("--engines", default="maw,llama,llama-fa",
+                    help="resident engines: maw, llama (its default: flash attention off), llama-fa (on)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--decode-tokens", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
