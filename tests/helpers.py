@@ -89,3 +89,16 @@ def dashboard_pack(root: Path) -> Path:
               expert_ff=256)
     pack(g, out, layout="exact", progress=False)
     return out
+
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def bench_module(name: str):
+    """benchmarks/<name>.py imported as a module (its folder on sys.path for its own imports)."""
+    import importlib.util
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -4,32 +4,21 @@ benchmark feeds llama.cpp are the ones `mawforge serve` counts for the same chat
 streamed turn read through the official openai client gives TTFT, usage and telemetry."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import openai
 import pytest
 
+from helpers import bench_module
 from mawforge.demo import demo_gguf
 from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.pack.packer import pack
 from mawforge.serve.app import ServerThread, build_app
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _module(name: str):
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
-    conv = _module("conversation")
+    conv = bench_module("conversation")
     root = tmp_path_factory.mktemp("conv")
     pk = root / "pack"
     pack(demo_gguf("Q4_K_M"), pk, progress=False)

@@ -4,31 +4,20 @@ its own file format), so the same token at position N gives both the same greedy
 llama.cpp's cache then holds N + 1 cells; a state file that is not what llama.cpp writes is refused."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 import types
-from pathlib import Path
 
 import pytest
 
+from helpers import bench_module
 from mawforge.demo import demo_gguf
 from mawforge.pack.packer import pack
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _module(name: str):
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.parametrize("flash_attn", [False, True])      # llama.cpp's values transposed in its cache, or not
 def test_both_engines_decode_the_same_token_after_the_same_synthetic_context(tmp_path, flash_attn):
     import llama_cpp
-    fs = _module("fullsize")
+    fs = bench_module("fullsize")
     gguf = demo_gguf("Q4_K_M")
     pk = tmp_path / "pack"
     pack(gguf, pk, progress=False)
@@ -55,7 +44,7 @@ def test_both_engines_decode_the_same_token_after_the_same_synthetic_context(tmp
 
 def test_a_state_file_of_another_layout_is_refused():
     import struct
-    fs = _module("fullsize")
+    fs = bench_module("fullsize")
     head = struct.pack("<III", 0x67677371, 3, 0) + struct.pack("<II", 1, 0)
     with pytest.raises(RuntimeError, match="unexpected llama.cpp sequence state layout"):
         fs.SeqState.parse(head + b"\0" * 16)
@@ -64,7 +53,7 @@ def test_a_state_file_of_another_layout_is_refused():
 
 
 def test_the_report_puts_each_context_beside_llama_cpp():
-    lc = _module("long_context")
+    lc = bench_module("long_context")
     rows = [{"context": 4096, "engine": e, "status": "ok", "decode_tok_s": t, "peak_rss_bytes": 2 ** 30,
              **({"planned_F": 2 ** 31} if e != "llama" else {})}
             for e, t in (("maw", 6.0), ("llama", 4.0), ("maw@8", 3.0), ("maw", 8.0))]

@@ -181,12 +181,6 @@ void kv_put(const float *k, const float *v, void *kc, void *vc, int dtype, int G
     }
 }
 
-/* One query token's grouped-query attention over S cached positions, as models/base.attend
-   computes it: q rounded to the cache dtype, scores q.k in float32 times scale, softmax in
-   float32 (max subtracted), the probabilities rounded to the cache dtype, p.v in float32.
-   q [H*D]; kc/vc [G, ctx, D] (sg = ctx * D between groups); out [H*D]. Each group's heads
-   on one thread, so the result does not depend on the thread count. Returns 0, or -2 when
-   the scratch cannot be allocated. */
 /* The pairwise lane sums of eight 16-lane vectors at once (a transpose-and-add network): out[i]
    is hsum16(a[i]) bit for bit (each level adds lane l and lane l + w of every vector, as hsum16's
    8 + 8, 4 + 4, 2 + 2, 1 + 1), in 15 vector additions instead of 8 x 15 scalar ones. */
