@@ -212,6 +212,28 @@ def test_every_build_attends_and_routes_to_the_same_bits(tmp_path):
     torch.testing.assert_close(wt, ref_w / ref_w.sum(-1, keepdim=True), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("C", [96, 100])
+def test_routing_rows_gives_each_row_its_one_token_bits(C):
+    """route_topk over T rows (a prompt's router, route_topk_rows: four rows share each load of W)
+    gives every row the idx and weights of that row routed alone (the decode step's call), at 1
+    and 2 threads, for T not a multiple of the 4-row block and a width that is not a multiple of 16."""
+    g = torch.Generator().manual_seed(C)
+    x, w = torch.randn(11, C, generator=g), torch.randn(24, C, generator=g)
+    alone = [native.route_topk(x[t:t + 1], w, 5, True) for t in range(11)]
+    try:
+        for threads in (1, 2):
+            native.set_thread_limit(threads)
+            idx, wt = native.route_topk(x, w, 5, True)
+            assert idx.shape == (11, 5) and wt.shape == (11, 5)
+            for t, (i1, w1) in enumerate(alone):
+                assert torch.equal(idx[t:t + 1], i1) and torch.equal(wt[t:t + 1], w1), (threads, t)
+    finally:
+        native.set_thread_limit(None)
+    ref_w, ref_i = torch.topk(torch.softmax(x @ w.T, -1), 5)
+    assert torch.equal(idx, ref_i)
+    torch.testing.assert_close(wt, ref_w / ref_w.sum(-1, keepdim=True), rtol=1e-5, atol=1e-6)
+
+
 def _attention_reference(q, keys, vals, scale):
     """llama.cpp's CPU attention in float64: q and the probabilities rounded to the cache dtype,
     token t of T seeing the first S - T + t + 1 positions. q [T, H, D], keys/vals [G, S, D]."""

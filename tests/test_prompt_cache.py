@@ -8,7 +8,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from mawforge.engine import prompt_reuse
 from mawforge.engine.generate import generate
 from mawforge.engine.prompt_cache import Entry, PromptStore, canonical, reusable
 from mawforge.engine.runtime import Runtime, RuntimeOptions
@@ -105,10 +107,15 @@ def test_store_keys_apart_unready_entries_and_superseded_prefixes():
 
 # ---- on a real runtime ------------------------------------------------------------------------
 
-def test_chat_turns_reuse_and_match_the_cold_prefill(pack_dir):
-    on, off = open_rt(pack_dir), open_rt(pack_dir, prompt_cache_gib=0)
+@pytest.mark.parametrize("source", ["Q8_0", "F32"])
+def test_chat_turns_reuse_and_match_the_cold_prefill(packs, source):
+    """Q8_0 (native kernels throughout: rows exact) reuses down to the token, the answer's decoded
+    rows included; F32 (torch matmuls, whose bits follow the row count) whole chunks only."""
+    on, off = open_rt(packs[("qwen3_moe", source)]), open_rt(packs[("qwen3_moe", source)], prompt_cache_gib=0)
     try:
         assert on.prompt_cache is not None and off.prompt_cache is None
+        exact = source == "Q8_0"
+        assert on.prompt_cache.granule == (1 if exact else CHUNK)
         turn1 = BASE[:40]
         out1, t1 = greedy(on, turn1)
         turn2 = turn1 + out1 + BASE[100:130]
@@ -118,12 +125,38 @@ def test_chat_turns_reuse_and_match_the_cold_prefill(pack_dir):
             got, tel = greedy(on, p)
             assert got == greedy(off, p)[0]
             seen.append((tel.cached_tokens, tel.prompt_cache["source"]))
-        assert seen == [(40, "saved"), (32, "live"), (64, "live"), (len(turn3), "saved"), (48, "live")]
+        if exact:       # turn 2 keeps turn 1 and 4 of its 5 answer tokens (the last one has no row yet)
+            assert seen == [(40, "saved"), (44, "live"), (len(turn2), "live"), (len(turn3), "saved"), (50, "live")]
+        else:
+            assert seen == [(40, "saved"), (32, "live"), (64, "live"), (len(turn3), "saved"), (48, "live")]
         assert t1.cached_tokens == 0 and t1.prompt_cache["source"] == "none"
         assert greedy(off, turn1)[1].prompt_cache == {"source": "off"}
     finally:
         on.close()
         off.close()
+
+
+@pytest.mark.parametrize("source", ["Q8_0", "Q4_K_M"])
+def test_rows_are_exact_in_any_chunk(packs, source):
+    """What token-granular reuse rests on (prompt_reuse.rows_exact): a prompt run in pieces of any
+    size, one token included (the decode step's path), leaves bit-identical KV rows and logits."""
+    rt = open_rt(packs[("qwen3_moe", source)], prompt_cache_gib=0)
+    try:
+        assert prompt_reuse.rows_exact(rt)
+        prompt = BASE[:70]
+
+        def run(cuts):
+            rt.reset()
+            for a, b in zip([0, *cuts], [*cuts, len(prompt)]):
+                logits = rt.forward(prompt[a:b])
+            return logits, [r.clone() for r in rt.kv.export_rows(len(prompt))]
+        cold, rows = run([])
+        for cuts in ([16, 32, 48, 64], [5], [1, 2, 3, 37], [69], [20, 21, 50, 51, 52]):
+            got, got_rows = run(cuts)
+            assert torch.equal(got, cold), cuts
+            assert all(torch.equal(a, b) for a, b in zip(got_rows, rows)), cuts
+    finally:
+        rt.close()
 
 
 def test_planned_bytes_are_the_bytes_held(pack_dir):
@@ -183,14 +216,19 @@ def test_a_key_keeps_other_packs_and_configurations_out(packs, pack_dir):
     store = PromptStore(1 << 24)
     rts = {name: open_rt(d, prompt_store=store, **kw) for name, d, kw in (
         ("a", pack_dir, {}), ("same", pack_dir, {}), ("f32kv", pack_dir, {"kv_dtype": "float32"}),
-        ("chunk", pack_dir, {"prefill_chunk": 8}), ("other", packs[("qwen3_moe", "F32")], {}))}
+        ("chunk", pack_dir, {"prefill_chunk": 8}), ("other", packs[("qwen3_moe", "F32")], {}),
+        ("other-chunk", packs[("qwen3_moe", "F32")], {"prefill_chunk": 8}))}
     try:
         prompt = BASE[:40]
         greedy(rts["a"], prompt)
-        for name in ("f32kv", "chunk", "other"):
+        greedy(rts["other"], prompt)
+        for name in ("f32kv", "other-chunk"):
             assert greedy(rts[name], prompt)[1].cached_tokens == 0, name
         assert greedy(rts["same"], prompt)[1].cached_tokens == 40      # the same configuration shares it
-        assert len(rts["a"].prompt_cache.key) == 4 and rts["a"].prompt_cache.key[0] == rts["a"].manifest.pack_digest
+        # rows exact in any chunk (Q8_0's native kernels): another chunk size computes the same rows
+        assert greedy(rts["chunk"], prompt)[1].cached_tokens == 40
+        assert rts["a"].prompt_cache.key == (rts["a"].manifest.pack_digest, "float16", "rows", "cpu")
+        assert rts["other"].prompt_cache.key[2] == CHUNK
     finally:
         for rt in rts.values():
             rt.close()

@@ -127,10 +127,9 @@ def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
     after = rt.cache.stats()
     read = lambda s: s["materialized_bytes"] + s["prefetch_issued_bytes"]    # demand reads and prefetch reads
     prefill_read = read(after) - read(before)
-    stalls, decoder = StallMeter(), None
+    stalls, decoder, context = StallMeter(), None, list(prompt)
     try:
         decoder = speculative.decoder(prompt, params, sampler) if speculative is not None else PlainDecoder(rt, sampler)
-        context = list(prompt)
         batch = [sampler.sample(logits)]
         n, reason, t_first = 0, None, None
         while True:
@@ -182,6 +181,8 @@ def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
         reuse.release()                  # a dropped request unpins its entry here, at once
         if decoder is not None:
             decoder.close()
+        if rt.prompt_cache is not None:  # the answer's rows, where they are exact, are live for the next turn
+            rt.prompt_cache.note_decoded(context)
 
 
 def _telemetry(rt: Runtime, n_prompt: int, n_out: int, t0: float, t_first: float, before: dict,

@@ -2,14 +2,15 @@
 saved prompts kept in a byte budget (LRU, pinned while a request uses them). The tensor copies
 live in engine/prompt_reuse.py; docs/prompt-cache.md says what is reused and why.
 
-Exactness. A cold prefill runs a prompt in chunks of `prefill_chunk` from position 0, and a
-row's bits may depend on the chunk it was computed in (a GEMM's blocking follows its row
-count; a decode step takes another attention path than a chunk). So a cached row is reused
-only where a cold prefill of the new prompt would compute it in the same chunk from the same
-inputs: rows of whole prefill chunks, i.e. positions below the prompt's length rounded down to
-a chunk (`canonical`), and the prefill of the rest starts at a chunk boundary as a cold one
-does. The one other reuse is the very same prompt again: its rows, its end state and its last
-logits were computed as a cold prefill computes them, so nothing is run at all.
+Exactness. A cached row is reused only where a cold prefill of the new prompt would compute the
+same bits. The unit of reuse (`chunk` below) is the runtime's: one token where every row is
+exact in any chunk and in a decode step (engine/prompt_reuse.rows_exact), else `prefill_chunk`,
+since a row's bits may depend on the chunk it was computed in (a torch GEMM's blocking follows
+its row count). With a whole chunk as the unit, reused rows are those of whole prefill chunks,
+i.e. positions below the prompt's length rounded down to a chunk (`canonical`), and the prefill
+of the rest starts at a chunk boundary as a cold one does. The one other reuse is the very same
+prompt again: its rows, its end state and its last logits were computed as a cold prefill
+computes them, so nothing is run at all.
 
 Recurrent (gated delta-net) layers hold a state, not rows: an entry of a hybrid model is usable
 only at a position whose state it saved (`checkpoints`: its canonical length and its end).

@@ -238,7 +238,7 @@ class MoETransformer:
 
     def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         w = self._bound(layer, "ffn_gate_inp.weight")                              # [E, C]
-        if h.shape[0] == 1 and native.route_takes(h, w):     # one token: one native call, as a decode layer's
+        if native.route_takes(h, w):     # every row routed as a decode layer routes its token (row-exact)
             return native.route_topk(h, w, self.cfg.top_k, self.cfg.norm_topk_prob)
         return route_softmax_topk(h @ w.T, self.cfg.top_k, self.cfg.norm_topk_prob)
 

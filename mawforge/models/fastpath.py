@@ -16,7 +16,7 @@ Where the whole layer up to the routed experts is the shared code too (`norm`, `
 `layer_step` goes further: one call (decode_step.c decode_layer) computes the attention norm,
 q/k/v, the KV write, the attention over the cache (native attend_one, which `attend` also calls
 for one token), the output projection and residual, the FFN norm and, with the shared `route`
-and a float32 router, the top-k (native route_topk, which `route` also calls for one token).
+and a float32 router, the top-k (native route_topk, which `route` also calls, for every row of a prompt).
 Python is left with the expert cache and the experts: a layer costs two crossings, and the bits
 are those of the separate calls, which run the same kernels in the same order.
 

@@ -15,7 +15,8 @@ dot product in integers (kquant_gemm.c explains the arithmetic).
   call, through the same kernels as the separate calls (the same bits, fewer crossings).
 * `attend_one(q, keys, vals, scale)`, `route_topk(x, w, k, renorm)`: one token's attention over
   the KV cache and its softmax top-k routing (decode_step.c); `attend_rows` a prefill chunk's
-  causal attention, each token's row the bits attend_one gives at its position.
+  causal attention, each token's row the bits attend_one gives at its position; `route_topk` of
+  T rows routes each as it routes one token (route_topk_rows).
 * `decode_layer(...)`: a decode step's layer up to the routed experts in one call (the norms,
   attention with its KV write, the residual, the router), composed of the calls above
   (models/fastpath.py binds its arguments).
@@ -74,9 +75,10 @@ _SIGNATURES = (("qgemm", [_I, _P, _I, _I, _P, _I, _P]),
                ("attend_one", [_P, _P, _P, _I, ctypes.c_long, _I, _I, _I, _I, ctypes.c_float, _P]),
                ("attend_rows", [_P, _P, _P, _I, ctypes.c_long, _I, _I, _I, _I, _I, ctypes.c_float, _P]),
                ("route_topk", [_P, _I, _P, _I, _I, _I, _P, _P, _P]),
+               ("route_topk_rows", [_P, _I, _I, _P, _I, _I, _I, _P, _P, _P]),
                ("decode_layer", [_P, _P, _P, _I, _P, _P, _P, _P, _P, _P]),
                ("decode_layer_rows", [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P]))
-_VOID = ("set_threads", "rms_norm_rows", "rope_rows", "kv_put", "route_topk")
+_VOID = ("set_threads", "rms_norm_rows", "rope_rows", "kv_put", "route_topk", "route_topk_rows")
 # the KV cache dtypes attend_one and decode_layer read and write (decode_step.c's KV_* codes)
 KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -365,22 +367,29 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: 
 
 
 def route_takes(x: torch.Tensor, w) -> bool:
-    """True where `route_topk` computes this router: one float32 token [1, C] and a float32 [E, C] weight."""
+    """True where `route_topk` computes this router: float32 tokens [T, C] and a float32 [E, C] weight."""
     return (available() and isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.dim() == 2
-            and w.is_contiguous() and w.device.type == "cpu" and x.dim() == 2 and x.shape[0] == 1
+            and w.is_contiguous() and w.device.type == "cpu" and x.dim() == 2 and x.shape[0] >= 1
             and x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[1] == w.shape[1])
 
 
 def route_topk(x: torch.Tensor, w: torch.Tensor, k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token's softmax top-k routing: x [1, C], w [E, C] float32 -> idx int64 [1, k], weights [1, k]."""
+    """Softmax top-k routing of T tokens: x [T, C], w [E, C] float32 -> idx int64 [T, k], weights
+    [T, k]. Each row's result is the bits of that token routed alone (so a prompt row is routed
+    as the decode step at its position routes it)."""
     lib = library()
     _sync_threads(lib)
     xf = x.contiguous()
-    probs = torch.empty(w.shape[0], dtype=torch.float32)
-    idx = torch.empty(1, k, dtype=torch.int64)
-    wt = torch.empty(1, k, dtype=torch.float32)
-    lib.route_topk(xf.data_ptr(), w.shape[1], w.data_ptr(), w.shape[0], k, int(renorm), probs.data_ptr(),
-                   idx.data_ptr(), wt.data_ptr())
+    t = xf.shape[0]
+    probs = torch.empty(t, w.shape[0], dtype=torch.float32)
+    idx = torch.empty(t, k, dtype=torch.int64)
+    wt = torch.empty(t, k, dtype=torch.float32)
+    if t == 1:
+        lib.route_topk(xf.data_ptr(), w.shape[1], w.data_ptr(), w.shape[0], k, int(renorm), probs.data_ptr(),
+                       idx.data_ptr(), wt.data_ptr())
+    else:
+        lib.route_topk_rows(xf.data_ptr(), t, w.shape[1], w.data_ptr(), w.shape[0], k, int(renorm),
+                            probs.data_ptr(), idx.data_ptr(), wt.data_ptr())
     return idx, wt
 
 

@@ -419,13 +419,8 @@ int attend_rows(const float *q, const void *kc, const void *vc, int dtype, long 
     return 0;
 }
 
-/* The router of one token: logits = x . W^T (W float32 [E, C]), softmax over the E experts,
-   the k largest (ties to the lower index; largest first), renormalized to sum 1 if asked.
-   probs [E] scratch; idx [k] int64, w [k] float32. */
-void route_topk(const float *x, int C, const float *W, int E, int k, int renorm, float *probs,
-                int64_t *idx, float *w) {
-    #pragma omp parallel for schedule(static) num_threads(omp_team())
-    for (int e = 0; e < E; e++) probs[e] = dot16(x, W + (long)e * C, C);
+/* softmax over probs [E] (the logits, in place) and the top k, as route_topk says */
+static void route_pick(float *probs, int E, int k, int renorm, int64_t *idx, float *w) {
     float m = -INFINITY, sum = 0.f;
     for (int e = 0; e < E; e++) m = probs[e] > m ? probs[e] : m;
     for (int e = 0; e < E; e++) { probs[e] = expf(probs[e] - m); sum += probs[e]; }
@@ -445,6 +440,41 @@ void route_topk(const float *x, int C, const float *W, int E, int k, int renorm,
     }
     if (renorm)
         for (int j = 0; j < k; j++) w[j] = w[j] / tot;
+}
+
+/* The router of one token: logits = x . W^T (W float32 [E, C]), softmax over the E experts,
+   the k largest (ties to the lower index; largest first), renormalized to sum 1 if asked.
+   probs [E] scratch; idx [k] int64, w [k] float32. */
+void route_topk(const float *x, int C, const float *W, int E, int k, int renorm, float *probs,
+                int64_t *idx, float *w) {
+    #pragma omp parallel for schedule(static) num_threads(omp_team())
+    for (int e = 0; e < E; e++) probs[e] = dot16(x, W + (long)e * C, C);
+    route_pick(probs, E, k, renorm, idx, w);
+}
+
+/* route_topk for each of T rows of x [T, C]: every row's idx and w are the bits route_topk gives
+   for that row alone (the same dot16 per expert, four rows sharing each load of W's row, then the
+   same softmax and top k). probs [T, E] scratch; idx, w [T, k]. Rows are split over the team. */
+void route_topk_rows(const float *x, int T, int C, const float *W, int E, int k, int renorm, float *probs,
+                     int64_t *idx, float *w) {
+    const int nb = (T + 3) / 4;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(omp_team())
+    for (int b = 0; b < nb; b++) {
+        const int t0 = b * 4, n = T - t0 < 4 ? T - t0 : 4;
+        float *p = probs + (long)t0 * E;
+        for (int e = 0; e < E; e++) {
+            const float *we = W + (long)e * C;
+            if (n == 4) {
+                float o[4];
+                dot16x4(x + (long)t0 * C, C, we, C, o);
+                for (int j = 0; j < 4; j++) p[(long)j * E + e] = o[j];
+            } else {
+                for (int j = 0; j < n; j++) p[(long)j * E + e] = dot16(x + (long)(t0 + j) * C, we, C);
+            }
+        }
+        for (int j = 0; j < n; j++)
+            route_pick(p + (long)j * E, E, k, renorm, idx + (long)(t0 + j) * k, w + (long)(t0 + j) * k);
+    }
 }
 
 /* What one layer of a decode step binds once (models/fastpath.DecodeAttention; the ctypes
