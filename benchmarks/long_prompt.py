@@ -5,11 +5,13 @@ MawForge inside a memory limit against its own resident run.
 Each row is one `benchmarks/fullsize.py worker` child on a dropped page cache: a random prompt of
 --prompts tokens (TTFT = its prefill), then --decode-tokens teacher-forced one-token steps at the
 positions after it (the first --warmup not timed). MawForge resident runs with the whole expert
-cache preloaded; llama.cpp with repack off (its default load needs more memory than this
-machine has); MawForge under a limit with --memory-budget-gib 0.92 x limit inside a cgroup of
-the limit. Engines alternate within each round.
+cache preloaded; llama.cpp with repack off (`llama`) and, where it fits, with its default load
+(`llama-default`: weights repacked for its CPU kernels, ~24.7 GB resident); MawForge under a
+limit with --memory-budget-gib 0.92 x limit inside a cgroup of the limit. Engines alternate
+within each round.
 
     python benchmarks/long_prompt.py [--prompts 512,2048] [--limits 8] [--rounds 1] [--decode-tokens 12]
+                                     [--engines maw,llama,llama-default]
 
 Reported per prompt length: prefill tok/s of each engine and MawForge / llama.cpp (target >= 1.0),
 decode tok/s after the prompt and the ratio, MawForge's TTFT inside the limit / its resident TTFT
@@ -35,8 +37,8 @@ GiB = 2**30
 def row(engine: str, gguf, pack, prompt: int, decode: int, warmup: int, limit: float | None) -> dict:
     args = [engine, "--prompt-tokens", str(prompt), "--decode-tokens", str(decode), "--warmup", str(warmup),
             "--classes", ""]
-    if engine == "llama":
-        args += ["--model", str(gguf), "--no-repack"]
+    if engine in ("llama", "llama-default"):
+        args = ["llama", *args[1:], "--model", str(gguf)] + (["--no-repack"] if engine == "llama" else [])
     elif limit:
         args += ["--pack", str(pack), "--budget-gib", f"{0.92 * limit:.3f}"]
     else:
@@ -55,6 +57,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--decode-tokens", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--engines", default="maw,llama",
+                    help="of maw, llama (repack off), llama-default (its default load)")
     a = ap.parse_args()
     gguf = synth_model(a.layers, "Q4_K_M", 1.0, 0.3)
     pack = pack_of(gguf)
@@ -63,7 +67,8 @@ def main() -> None:
            "rows": []}
     for rnd in range(a.rounds):
         for n in [int(x) for x in a.prompts.split(",")]:
-            order = ["maw", "llama"] if rnd % 2 == 0 else ["llama", "maw"]
+            engines = [e for e in a.engines.split(",") if e]
+            order = engines if rnd % 2 == 0 else engines[::-1]
             for engine in order + [f"maw@{lim:g}" for lim in limits]:
                 eng, _, lim = engine.partition("@")
                 r = row(eng, gguf, pack, n, a.decode_tokens, a.warmup, float(lim) if lim else None)
@@ -84,9 +89,10 @@ def report(rows: list[dict]) -> dict:
                 by.setdefault(r["engine"], []).append(r)
         get = lambda e, k: med([r[k] for r in by.get(e, []) if r.get(k)])
         o = {e: {k: get(e, k) for k in ("prefill_tok_s", "ttft_s", "decode_tok_s")} for e in by}
-        if "maw" in by and "llama" in by:
-            o["prefill_x_llama_cpp"] = get("maw", "prefill_tok_s") / get("llama", "prefill_tok_s")
-            o["decode_x_llama_cpp"] = get("maw", "decode_tok_s") / get("llama", "decode_tok_s")
+        for peer, tag in (("llama", "llama_cpp"), ("llama-default", "llama_cpp_default_load")):
+            if "maw" in by and peer in by:
+                o[f"prefill_x_{tag}"] = get("maw", "prefill_tok_s") / get(peer, "prefill_tok_s")
+                o[f"decode_x_{tag}"] = get("maw", "decode_tok_s") / get(peer, "decode_tok_s")
         for e in [e for e in by if e.startswith("maw@")]:
             if "maw" in by:
                 o[f"{e} ttft_x_resident"] = get(e, "ttft_s") / get("maw", "ttft_s")

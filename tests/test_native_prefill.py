@@ -21,7 +21,7 @@ from mawforge.kernels import native
 from test_native import TYPES, _expert_set, _random_rows
 
 pytestmark = needs_cc
-TOKENS = (1, 2, 3, 5, 16, 64, 130)
+TOKENS = (1, 2, 3, 5, 11, 16, 64, 130)   # 11 and 130: three and two tokens past a four-token tile
 # K = 2048 rows are 1.1-2.2 KiB: N = 130 spans two to five 64 KiB panels, and neither N nor a
 # thread's share of it is a multiple of the two-row or four-token tiles
 SHAPES = ((130, 2048), (61, 512), (7, 256))
