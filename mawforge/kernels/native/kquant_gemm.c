@@ -817,8 +817,9 @@ static inline void put4(float *const *yr, int m, int n, int y0, const float *sca
 
 #if PANEL_K4
 /* gemm_rows for Q4_K on AVX-512 VNNI: each panel of rows unpacked once (k4_unpack), then every
-   group of four tokens meets it two rows at a time (k4_tile); an odd last row and the tokens
-   beyond a multiple of four take the kernels gemm_rows uses, so every element keeps its bits. */
+   group of four tokens meets it two rows at a time (k4_tile); an odd last row takes dot4, two or
+   three tokens beyond a multiple of four a padded group, one token the one-token kernels, so
+   every element keeps its bits. */
 static void gemm_rows_k4(dot_fn dot, dot4_fn dot4, dot2_fn dot2, const uint8_t *w, long rb, int nb, int n0,
                          int n1, const qrow *xr, int M, float *const *yr, int y0, const float *scale) {
     int pr = (int)(K4_PANEL_BYTES / ((long)nb * (long)sizeof(k4blk)));
