@@ -810,9 +810,13 @@ static void rows_one_token(dot_fn dot, dot2_fn dot2, const uint8_t *w, long rb, 
     }
 }
 
+/* the first `cnt` of four tokens' results o[] for weight row n (a padded group keeps fewer) */
+static inline void putn(float *const *yr, int m, int n, int y0, const float *scale, const float *o, int cnt) {
+    if (scale) for (int r = 0; r < cnt; r++) yr[m + r][n - y0] += scale[m + r] * o[r];
+    else for (int r = 0; r < cnt; r++) yr[m + r][n - y0] = o[r];
+}
 static inline void put4(float *const *yr, int m, int n, int y0, const float *scale, const float *o) {
-    if (scale) for (int r = 0; r < 4; r++) yr[m + r][n - y0] += scale[m + r] * o[r];
-    else for (int r = 0; r < 4; r++) yr[m + r][n - y0] = o[r];
+    putn(yr, m, n, y0, scale, o, 4);
 }
 
 #if PANEL_K4
@@ -834,41 +838,29 @@ static void gemm_rows_k4(dot_fn dot, dot4_fn dot4, dot2_fn dot2, const uint8_t *
         return;
     }
     /* two or three tokens past a multiple of four go through the tile as a group of four padded
-       with copies of the last one (each token's lanes are computed alone; the copies' results go
-       to `junk` and are dropped): cheaper than the one-token kernels. One token left takes those. */
-    const int pad = M % 4 >= 2, m4 = M - M % 4;
-    float *junk = pad ? (float *)malloc(sizeof(float) * (size_t)(n1 - y0)) : 0;
+       with copies of the last one (each token's lanes are computed alone; the copies' results are
+       not stored): cheaper than the one-token kernels. One token left takes those. */
+    const int m4 = M - M % 4, groups = M % 4 >= 2 ? M + 4 - M % 4 : m4;
     qrow xpad[4];
-    float *ypad[4], spad[4];
-    if (pad && junk)
-        for (int t = 0; t < 4; t++) {
-            const int src = m4 + t < M ? m4 + t : M - 1;
-            xpad[t] = xr[src];
-            ypad[t] = m4 + t < M ? yr[m4 + t] : junk;
-            spad[t] = scale && m4 + t < M ? scale[m4 + t] : 0.f;
-        }
-    const int groups = m4 + (pad && junk ? 4 : 0);
+    for (int t = 0; t < 4; t++) xpad[t] = xr[m4 + t < M ? m4 + t : M - 1];
     for (int p0 = n0; p0 < n1; p0 += pr) {
         const int p1 = p0 + pr < n1 ? p0 + pr : n1, rows = p1 - p0, pairs = rows & ~1;
         k4_unpack(w + rb * p0, rb, nb, rows, panel);
         for (int m = 0; m < groups; m += 4) {
-            const int tail = m == m4;                 /* the padded group */
-            const qrow *xg = tail ? xpad : xr + m;
-            float *const *yg = tail ? ypad : yr + m;
-            const float *sg = scale ? (tail ? spad : scale + m) : 0;
+            const qrow *xg = m == m4 ? xpad : xr + m;      /* m == m4: the padded group */
+            const int cnt = M - m < 4 ? M - m : 4;
             k4_group(xg, nb, g);
             for (int i = 0; i < pairs; i += 2) {
                 float o[8];
                 k4_tile(panel + (long)i * nb, panel + (long)(i + 1) * nb, nb, xg, g, o);
-                put4(yg, 0, p0 + i, y0, sg, o);
-                put4(yg, 0, p0 + i + 1, y0, sg, o + 4);
+                putn(yr, m, p0 + i, y0, scale, o, cnt);
+                putn(yr, m, p0 + i + 1, y0, scale, o + 4, cnt);
             }
-            if (pairs < rows) { float o[4]; dot4(w + rb * (p1 - 1), nb, xg, o); put4(yg, 0, p1 - 1, y0, sg, o); }
+            if (pairs < rows) { float o[4]; dot4(w + rb * (p1 - 1), nb, xg, o); putn(yr, m, p1 - 1, y0, scale, o, cnt); }
         }
-        for (int m = groups > M ? M : groups; m < M; m++)
+        for (int m = groups; m < M; m++)
             rows_one_token(dot, dot2, w, rb, nb, p0, p1, xr[m], yr[m], y0, scale ? scale + m : 0);
     }
-    free(junk);
     free(g);
 }
 #endif
