@@ -164,10 +164,12 @@ static inline void dot16x4(const float *a, long as, const float *b, int n, float
 
 static float *g_attn;       /* attention scratch, grown on demand (one compute thread calls in) */
 static size_t g_attn_n;
+/* n floats (n a multiple of 16), 64-byte aligned: a 16-float vector load from an aligned row is one
+   cache line, where an unaligned one spans two (the attention kernels ran 30-40% slower so) */
 static float *attn_scratch(size_t n) {
     if (n > g_attn_n) {
         free(g_attn);
-        g_attn = malloc(sizeof(float) * n);
+        g_attn = aligned_alloc(64, sizeof(float) * n);
         g_attn_n = g_attn ? n : 0;
     }
     return g_attn;
@@ -181,26 +183,27 @@ void kv_put(const float *k, const float *v, void *kc, void *vc, int dtype, int G
     }
 }
 
-/* The pairwise lane sums of eight 16-lane vectors at once (a transpose-and-add network): out[i]
-   is hsum16(a[i]) bit for bit (each level adds lane l and lane l + w of every vector, as hsum16's
-   8 + 8, 4 + 4, 2 + 2, 1 + 1), in 15 vector additions instead of 8 x 15 scalar ones. */
+/* The pairwise lane sums of sixteen 16-lane vectors at once (a transpose-and-add network): lane i
+   of the result is hsum16(a[i]) bit for bit (each level adds lane l and lane l + w of every vector,
+   as hsum16's 8 + 8, 4 + 4, 2 + 2, 1 + 1), in 15 vector additions instead of 16 x 15 scalar ones. */
 typedef int v16i __attribute__((vector_size(64)));
-static inline void hsum16x8(const v16f *a, float *out) {
+static inline v16f hsum16x16(const v16f *a) {
     const v16i lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
     const v16i hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
     const v16i lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
     const v16i hi4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
     const v16i lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
     const v16i hi2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-    v16f b[4], c[2], d;
-    for (int i = 0; i < 4; i++)          /* lanes 0-7: a[2i]'s l + (l + 8); 8-15: a[2i + 1]'s */
+    const v16i lo1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const v16i hi1 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    v16f b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)          /* lanes 0-7: a[2i]'s l + (l + 8); 8-15: a[2i + 1]'s */
         b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo8) + __builtin_shuffle(a[2 * i], a[2 * i + 1], hi8);
-    for (int i = 0; i < 2; i++)          /* four lanes per vector: l + (l + 4) */
+    for (int i = 0; i < 4; i++)          /* four lanes per vector: l + (l + 4) */
         c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], lo4) + __builtin_shuffle(b[2 * i], b[2 * i + 1], hi4);
-    d = __builtin_shuffle(c[0], c[1], lo2) + __builtin_shuffle(c[0], c[1], hi2);     /* two lanes: l + (l + 2) */
-    float t[16];
-    memcpy(t, &d, sizeof t);
-    for (int i = 0; i < 8; i++) out[i] = t[2 * i] + t[2 * i + 1];                     /* 1 + 1 */
+    for (int i = 0; i < 2; i++)          /* two lanes: l + (l + 2) */
+        d[i] = __builtin_shuffle(c[2 * i], c[2 * i + 1], lo2) + __builtin_shuffle(c[2 * i], c[2 * i + 1], hi2);
+    return __builtin_shuffle(d[0], d[1], lo1) + __builtin_shuffle(d[0], d[1], hi1);      /* 1 + 1 */
 }
 
 /* e^x for 16 lanes (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, times
@@ -227,9 +230,24 @@ static inline v16f exp16(v16f x) {
    16 lanes at a time (the sum in 16 lanes, then pairwise: one fixed order), the tail one by one */
 static void softmax_row(float *p, int S, int dtype) {
     float m = -INFINITY;
-    for (int s = 0; s < S; s++) m = p[s] > m ? p[s] : m;
-    v16f acc = {0};
     int s = 0;
+    /* the max in 16 lanes, then across them: the value a pass one by one gives (NaNs skipped alike;
+       of +0 and -0 it may keep the other, which exp16(x - m) does not see) */
+    if (S >= 16) {
+        const v16f ninf = {0};
+        v16f mv = ninf - INFINITY;
+        for (; s + 16 <= S; s += 16) {
+            const v16f x = ld16(p + s);
+            const v16i gt = x > mv;
+            mv = (v16f)(((v16i)x & gt) | ((v16i)mv & ~gt));
+        }
+        float t[16];
+        memcpy(t, &mv, sizeof t);
+        for (int l = 0; l < 16; l++) m = t[l] > m ? t[l] : m;
+    }
+    for (; s < S; s++) m = p[s] > m ? p[s] : m;
+    v16f acc = {0};
+    s = 0;
     for (; s + 16 <= S; s += 16) {
         const v16f e = exp16(ld16(p + s) - m);
         memcpy(p + s, &e, sizeof e);
@@ -260,32 +278,37 @@ static void softmax_row(float *p, int S, int dtype) {
 enum { ATT_TILE = 64 };     /* cache rows converted to float32 at a time (64 x D floats: in L1) */
 enum { ATT_BLOCK = 4 };     /* a prefill's query tokens per work item (their rows share each converted tile) */
 
-/* floats of scratch one attend_block call needs: B tokens of hg rows of D, their scores over S, a tile */
+/* n rounded up to a multiple of 16 floats (64 bytes) */
+static inline size_t up16(size_t n) { return (n + 15) & ~(size_t)15; }
+
+/* floats of scratch one attend_block call needs: B tokens of hg rows of D, their scores over S (each
+   row up16(S) long), a tile; each part a multiple of 16, so on an aligned buffer every part and
+   score row starts on a cache line */
 static size_t attend_need(int B, int hg, int S, int D) {
-    return (size_t)B * hg * D + (size_t)B * hg * S + (size_t)ATT_TILE * D;
+    return up16((size_t)B * hg * D) + (size_t)B * hg * up16(S) + up16((size_t)ATT_TILE * D);
 }
 
 /* scores of two query rows against n cached rows: s0[t] = dot16(qa, row t) * scale, s1[t] likewise
-   with qb; eight rows at a time share each load of qa, qb (16 chains), the sums as dot16's */
+   with qb; eight rows at a time share each load of qa, qb (16 chains), the 16 sums reduced together
+   (hsum16x16: each dot16's bits) */
 static inline void scores2(const float *qa, const float *qb, const float *tile, int n, int D, float scale,
                            float *s0, float *s1) {
     int t = 0;
     if (D % 16 == 0)
         for (; t + 8 <= n; t += 8) {
-            v16f a0[8] = {{0}}, a1[8] = {{0}};
+            v16f a[16] = {{0}};        /* a[i]: qa . row t + i; a[8 + i]: qb . row t + i */
             for (int d = 0; d < D; d += 16) {
                 const v16f x = ld16(qa + d), y = ld16(qb + d);
                 for (int i = 0; i < 8; i++) {
                     const v16f k = ld16(tile + (long)(t + i) * D + d);
-                    a0[i] += x * k;
-                    a1[i] += y * k;
+                    a[i] += x * k;
+                    a[8 + i] += y * k;
                 }
             }
-            float r[8];
-            hsum16x8(a0, r);
-            for (int i = 0; i < 8; i++) s0[t + i] = r[i] * scale;
-            hsum16x8(a1, r);
-            for (int i = 0; i < 8; i++) s1[t + i] = r[i] * scale;
+            float r[16];
+            const v16f h = hsum16x16(a) * scale;
+            memcpy(r, &h, sizeof r);
+            for (int i = 0; i < 8; i++) s0[t + i] = r[i], s1[t + i] = r[8 + i];
         }
     for (; t < n; t++) {
         s0[t] = dot16(qa, tile + (long)t * D, D) * scale;
@@ -348,7 +371,8 @@ static void attend_block(const float *q, long qs, int B, const int *span, const 
     int S = 0;
     for (int b = 0; b < B; b++) S = span[b] > S ? span[b] : S;
     const int R = hg * D;
-    float *qr = buf, *sc = qr + (size_t)B * R, *tile = sc + (size_t)B * hg * S;
+    const long Sp = (long)up16(S);     /* score rows' stride */
+    float *qr = buf, *sc = qr + up16((size_t)B * R), *tile = sc + (size_t)B * hg * Sp;
     for (int b = 0; b < B; b++) memcpy(qr + (long)b * R, q + b * qs, sizeof(float) * R);
     round_row(dtype, qr, B * R);
     for (int s0 = 0; s0 < S; s0 += ATT_TILE) {
@@ -358,17 +382,17 @@ static void attend_block(const float *q, long qs, int B, const int *span, const 
             const int nb = span[b] - s0 < n ? span[b] - s0 : n;
             if (nb <= 0) continue;
             const float *qb = qr + (long)b * R;
-            float *sb = sc + (long)b * hg * S + s0;
+            float *sb = sc + (long)b * hg * Sp + s0;
             int j = 0;
             for (; j + 2 <= hg; j += 2)
-                scores2(qb + (long)j * D, qb + (long)(j + 1) * D, tile, nb, D, scale, sb + (long)j * S,
-                        sb + (long)(j + 1) * S);
+                scores2(qb + (long)j * D, qb + (long)(j + 1) * D, tile, nb, D, scale, sb + (long)j * Sp,
+                        sb + (long)(j + 1) * Sp);
             for (; j < hg; j++)
-                for (int t = 0; t < nb; t++) sb[(long)j * S + t] = dot16(qb + (long)j * D, tile + (long)t * D, D) * scale;
+                for (int t = 0; t < nb; t++) sb[j * Sp + t] = dot16(qb + (long)j * D, tile + (long)t * D, D) * scale;
         }
     }
     for (int b = 0; b < B; b++) {
-        for (int j = 0; j < hg; j++) softmax_row(sc + ((long)b * hg + j) * S, span[b], dtype);
+        for (int j = 0; j < hg; j++) softmax_row(sc + ((long)b * hg + j) * Sp, span[b], dtype);
         memset(out + b * os, 0, sizeof(float) * R);
     }
     for (int s0 = 0; s0 < S; s0 += ATT_TILE) {
@@ -376,7 +400,7 @@ static void attend_block(const float *q, long qs, int B, const int *span, const 
         for (int t = 0; t < n; t++) row_load(vc, dtype, at + (long)(s0 + t) * D, D, tile + (long)t * D);
         for (int b = 0; b < B; b++) {
             const int nb = span[b] - s0 < n ? span[b] - s0 : n;
-            if (nb > 0) pv_rows(sc + (long)b * hg * S + s0, S, hg, tile, nb, D, out + b * os);
+            if (nb > 0) pv_rows(sc + (long)b * hg * Sp + s0, Sp, hg, tile, nb, D, out + b * os);
         }
     }
 }
