@@ -175,16 +175,23 @@ ATTN_SCORES_BYTES = 64 << 20
 ATT_BLOCK, ATT_TILE = 4, 64
 
 
+def _up16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
 def attention_bytes(f: PackFacts, t: int, context: int) -> int:
     """The attention working set of a chunk of t queries over the whole context, by the larger of
     its two paths: the native one (decode_step.c attend_rows: per thread, ATT_BLOCK tokens' rows
     of q, their scores over the context and a tile of converted cache rows; as many threads as
-    the machine has cores) and the torch one (models/base.attend, for sliding windows or where no
+    the machine has cores; attend_one: one token's per kv group) and the torch one (models/base.attend, for sliding windows or where no
     compiler is found: float32 scores and probabilities of at most ATTN_SCORES_BYTES, or of one
     query row, and float32 copies of one layer's keys and values)."""
     hg = f.n_heads // max(1, f.n_kv_heads)
-    per_thread = 4 * (ATT_BLOCK * hg * f.head_dim + ATT_BLOCK * hg * context + ATT_TILE * f.head_dim)
-    native = (os.cpu_count() or 1) * per_thread
+
+    def per(b: int) -> int:     # decode_step.c attend_need: each part rounded up to 16 floats
+        return 4 * (_up16(b * hg * f.head_dim) + b * hg * _up16(context) + _up16(ATT_TILE * f.head_dim))
+    # attend_rows: one block's scratch per thread; attend_one (a decode step): one per kv group
+    native = max((os.cpu_count() or 1) * per(ATT_BLOCK), max(1, f.n_kv_heads) * per(1))
     scores = min(8 * f.n_heads * t * context, max(ATTN_SCORES_BYTES, 8 * f.n_heads * context))
     return max(native, scores + 2 * f.n_kv_heads * context * f.head_dim * 4)
 
