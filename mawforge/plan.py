@@ -183,9 +183,10 @@ def attention_bytes(f: PackFacts, t: int, context: int) -> int:
     """The attention working set of a chunk of t queries over the whole context, by the larger of
     its two paths: the native one (decode_step.c attend_rows: per thread, ATT_BLOCK tokens' rows
     of q, their scores over the context and a tile of converted cache rows; as many threads as
-    the machine has cores; attend_one: one token's per kv group) and the torch one (models/base.attend, for sliding windows or where no
-    compiler is found: float32 scores and probabilities of at most ATTN_SCORES_BYTES, or of one
-    query row, and float32 copies of one layer's keys and values)."""
+    the machine has cores; attend_one: one token's per kv group) and the torch one
+    (models/base.attend, for sliding windows or where no compiler is found: float32 scores and
+    probabilities of at most ATTN_SCORES_BYTES, or of one query row, and float32 copies of one
+    layer's keys and values)."""
     hg = f.n_heads // max(1, f.n_kv_heads)
 
     def per(b: int) -> int:     # decode_step.c attend_need: each part rounded up to 16 floats
