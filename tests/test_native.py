@@ -435,6 +435,29 @@ def test_native_rms_norm_equals_the_torch_path():
     assert torch.equal(base.rms_norm(x, w, 1e-6), native.rms_norm(x, w, 1e-6))
 
 
+def test_prompt_sized_norm_and_rope_give_each_row_its_own_bits():
+    """A prompt's RMSNorm and RoPE (from 65,536 floats on) are split over the team by rows: every
+    row is the bits of that row computed alone, at 1 and 2 threads."""
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(300, 2048, generator=g) * 3, torch.randn(2048, generator=g)
+    q = torch.randn(300, 8, 64, generator=g)
+    ang = torch.rand(300, 32, generator=g) * 50
+    cos, sin = ang.cos(), ang.sin()
+    alone = torch.cat([native.rms_norm(x[r:r + 1], w, 1e-6) for r in range(300)])
+    rot = {neox: torch.cat([native.rope(q[t:t + 1], cos[t:t + 1], sin[t:t + 1], neox) for t in range(300)])
+           for neox in (True, False)}
+    assert x.numel() >= 1 << 16 and q.numel() >= 1 << 16
+    try:
+        for threads in (1, 2):
+            native.set_thread_limit(threads)
+            assert torch.equal(native.rms_norm(x, w, 1e-6), alone), threads
+            for neox in (True, False):
+                assert torch.equal(native.rope(q, cos, sin, neox), rot[neox]), (threads, neox)
+    finally:
+        native.set_thread_limit(None)
+    assert alone.abs().sum() > 0 and not torch.equal(rot[True], rot[False])
+
+
 @pytest.mark.parametrize("layout", ["neox", "norm"])
 def test_native_rope_equals_the_torch_rotation(layout):
     from mawforge.models import base

@@ -24,6 +24,7 @@
 
 static int g_team = 0;     /* 0: the OpenMP default */
 static inline int team_size(void) { return g_team > 0 ? g_team : omp_get_max_threads(); }
+enum { PAR_ELEMS = 1 << 16 };      /* elementwise kernels split over the team from this many floats */
 
 enum { T_Q4_0 = 2, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
 enum { QK = 256, Q80 = 32 };
@@ -1116,6 +1117,8 @@ int omp_team(void) { return team_size(); }   /* for decode_step.c's parallel loo
 /* RMSNorm of `rows` rows of n, as ggml: squares summed in double, scale = 1 / sqrt(mean + eps) in
    float, then y = (x * scale) * w. */
 void rms_norm_rows(const float *x, int rows, int n, const float *w, float eps, float *y) {
+    /* rows are independent (each alone, in place too): a prompt's split over the team, a token's not */
+    #pragma omp parallel for schedule(static) num_threads(team_size()) if ((long)rows * n >= PAR_ELEMS)
     for (int r = 0; r < rows; r++) {
         const float *v = x + (long)r * n;
         double sum = 0.0;
@@ -1132,6 +1135,7 @@ void rms_norm_rows(const float *x, int rows, int n, const float *w, float eps, f
    operations (no FMA contraction under -std=c11), the same roundings as the torch code. */
 void rope_rows(const float *x, int T, int H, int D, const float *cs, const float *sn, int neox, float *y) {
     const int half = D / 2;
+    #pragma omp parallel for schedule(static) num_threads(team_size()) if ((long)T * H * D >= PAR_ELEMS)
     for (int t = 0; t < T; t++)
         for (int h = 0; h < H; h++) {
             const float *v = x + ((long)t * H + h) * D, *c = cs + (long)t * half, *s = sn + (long)t * half;
