@@ -279,6 +279,24 @@ def test_prefill_attention_rows_are_the_decode_steps_bits(dt, H, G, D):
     torch.testing.assert_close(rows.double(), ref, rtol=1e-4, atol=1e-5 + 4 * ulp)
 
 
+@pytest.mark.parametrize("H,G,D,S,T", [(32, 4, 128, 150, 37), (32, 4, 128, 600, 64), (8, 2, 64, 70, 1),
+                                       (6, 3, 40, 90, 90)])
+def test_prefill_attention_is_ggml_attention(H, G, D, S, T):
+    """The oracle: the graph llama.cpp's CPU attention builds without flash attention (ggml's
+    mul_mat K.Q, causal soft_max_ext, mul_mat V^T.P over its float16 cache layout, in a child
+    process) gives what attend_rows gives, to float32 summation order and the float16 rounding
+    of a probability (ggml's exp is another last bit: one float16 ulp of p times |v|), for a
+    chunk, one decode token and a whole prompt, head dims that are and are not multiples of 16."""
+    from mawforge.fixtures.ggml_ref import ggml_attention
+    g = torch.Generator().manual_seed(S + T)
+    q = torch.randn(T, H, D, generator=g) * 2
+    keys, vals = torch.randn(G, S, D, generator=g).half(), torch.randn(G, S, D, generator=g).half()
+    ref = torch.from_numpy(ggml_attention(q.numpy(), keys.numpy(), vals.numpy(), D ** -0.5))
+    got = native.attend_rows(q, keys, vals, D ** -0.5)
+    assert ref.shape == got.shape == (T, H * D) and ref.abs().sum() > 0
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5 + 4 * 2.0 ** -11)
+
+
 def test_prefill_attention_is_what_attend_uses_and_agrees_with_the_torch_path():
     """models.base.attend takes the native rows for a chunk on the CPU; the torch path (kept for
     other devices and sliding windows) computes the same attention to float32 rounding."""
