@@ -4,9 +4,12 @@ keep the speed? Each commit runs from its own git worktree (work/ab/<commit>) as
 on a dropped page cache, resident and inside cgroup v1 memory limits.
 
     python benchmarks/commit_ab.py --old a88719b --new HEAD [--limits 0,8] [--rounds 3] [--prompt-tokens 2048]
+    python benchmarks/commit_ab.py --old f1dbc99~1 --new f1dbc99 --fill-context 32768   # decode at 32K positions
 
 Per configuration and commit: the teacher-forced decode tok/s, greedy tok/s and TTFT of each
-round, their medians, and new/old ratios; the rounds alternate which commit goes first.
+round, their medians, and new/old ratios; the rounds alternate which commit goes first. With
+--fill-context N each side decodes after N synthetic cached positions, as long_context.py runs the
+worker (teacher-forced tokens only: no greedy run, TTFT is one token's).
 """
 from __future__ import annotations
 
@@ -37,9 +40,14 @@ def tree(rev: str) -> tuple[str, str]:
     return sha, str(path)
 
 
-def row(path: str, pack: str, gib: float | None, rounds_tag: str, timeout: float, prompt_tokens: int | None) -> dict:
-    args = ["maw", "--pack", pack, "--classes", "code", "--greedy-tokens", "16"]
-    if prompt_tokens:                                   # TTFT is this prompt's prefill
+def row(path: str, pack: str, gib: float | None, rounds_tag: str, timeout: float, prompt_tokens: int | None,
+        fill: int | None = None) -> dict:
+    if fill:                                            # long_context.py's worker arguments
+        args = ["maw", "--pack", pack, "--fill-context", str(fill), "--prompt-tokens", "1", "--decode-tokens", "10",
+                "--warmup", "2", "--classes", ""]
+    else:
+        args = ["maw", "--pack", pack, "--classes", "code", "--greedy-tokens", "16"]
+    if prompt_tokens and not fill:                      # TTFT is this prompt's prefill
         args += ["--prompt-tokens", str(prompt_tokens)]
     if gib is None:
         args += ["--cache-percent", "100", "--preload"]
@@ -65,7 +73,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--prompt-tokens", type=int, default=None, help="the random prompt (default: the worker's 64)")
+    ap.add_argument("--fill-context", type=int, default=None, help="decode after this many cached positions")
     a = ap.parse_args()
+    if a.fill_context is not None and a.prompt_tokens is not None:
+        ap.error("--fill-context and --prompt-tokens are two different runs; give one")
     sides = {"old": tree(a.old), "new": tree(a.new)}
     pack = str(pack_of(synth_model(a.layers, "Q4_K_M", skew=1.0, stickiness=0.3)))
     rows = []
@@ -75,7 +86,7 @@ def main() -> int:
         for k in range(a.rounds):
             order = ("old", "new") if k % 2 == 0 else ("new", "old")
             for side in order:
-                r = row(sides[side][1], pack, gib, str(k), a.timeout, a.prompt_tokens)
+                r = row(sides[side][1], pack, gib, str(k), a.timeout, a.prompt_tokens, a.fill_context)
                 r.update(config=config, side=side, commit=sides[side][0][:12])
                 rows.append(r)
                 print(json.dumps({k2: r.get(k2) for k2 in ("config", "side", "commit", "round", "status",
