@@ -8,10 +8,14 @@ T queries at the end of S cached positions: a prompt's 512-token batch (llama.cp
 agent turn's new tokens after a long history, one decode token at 4K and 32K. MawForge runs
 `attend_rows` (a prompt chunk) or `attend_one` (T = 1, the decode step). Both results are checked
 against each other (float16 probabilities: within 1e-4 + a float16 ulp) before timing. Fastest of
-repeats, ms; GMAC/s counts q.k and p.v over the positions each query sees. Run on purpose, on a
-quiet machine, never from the tests:
+repeats, ms; GMAC/s counts q.k and p.v over the positions each query sees. One layer's cache is
+timed again and again, so at 4K it stays in L3; a decode step meets --decode-layers caches in
+turn, each from memory: for T = 1 the last columns time attend_one over that many distinct caches
+(MawForge only: ms a token, and GB/s of cache read). Run on purpose, on a quiet machine, never
+from the tests:
 
     .venv/bin/python benchmarks/attention.py [--threads 2] [--rows 512x512,2048x512,3250x250,8192x256,4096x1,32768x1]
+                                             [--decode-layers 48]
 """
 from __future__ import annotations
 
@@ -43,18 +47,40 @@ def fastest_ms(fn, min_s: float = 0.5) -> float:
     return best * 1e3
 
 
+def layers_ms(q, keys, vals, scale: float, layers: int, g: torch.Generator) -> float:
+    """attend_one over `layers` distinct caches shaped as keys/vals, one after another as a decode
+    step's layers run: fastest of 3 passes, ms"""
+    caches = [(torch.randn(keys.shape, generator=g).half(), torch.randn(vals.shape, generator=g).half())
+              for _ in range(layers)]
+
+    def step():
+        for k, v in caches:
+            native.attend_one(q, k, v, scale)
+    step()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--heads", default="32,4,128", help="query heads, kv heads, head dim")
     ap.add_argument("--rows", default="512x512,2048x512,3250x250,8192x256,4096x1,32768x1",
                     help="S x T: T queries at the end of S cached positions")
+    ap.add_argument("--decode-layers", type=int, default=48,
+                    help="distinct caches a decode row (T = 1) is also timed over, as one token's layers (0: not)")
     args = ap.parse_args()
     H, G, D = (int(v) for v in args.heads.split(","))
     native.set_thread_limit(args.threads)
     print(f"# attention, {machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
           f"{args.threads} threads, H {H} G {G} D {D}, float16 cache")
-    print(f"{'S':>6} {'T':>5} {'MawForge ms':>12} {'GMAC/s':>7} {'ggml ms':>9} {'GMAC/s':>7} {'ggml / MawForge':>16}")
+    L = args.decode_layers
+    print(f"{'S':>6} {'T':>5} {'MawForge ms':>12} {'GMAC/s':>7} {'ggml ms':>9} {'GMAC/s':>7} {'ggml / MawForge':>16}"
+          + (f" {f'MawForge {L} layers ms':>22} {'GB/s':>6}" if L else ""))
     rows = []
     for spec in args.rows.split(","):
         S, T = (int(v) for v in spec.split("x"))
@@ -72,9 +98,14 @@ def main() -> int:
         macs = 2.0 * H * D * sum(S - T + t + 1 for t in range(T))
         row = dict(S=S, T=T, mawforge_ms=ms, ggml_ms=ggml_ms, mawforge_gmac_s=macs / ms * 1e-6,
                    ggml_gmac_s=macs / ggml_ms * 1e-6, ggml_over_mawforge=ggml_ms / ms)
+        tail = ""
+        if T == 1 and L:
+            row.update(layers_ms=layers_ms(q, keys, vals, scale, L, g))
+            row.update(layers_cache_gb_s=L * 2 * keys.numel() * keys.element_size() / row["layers_ms"] * 1e-6)
+            tail = f" {row['layers_ms']:>22.2f} {row['layers_cache_gb_s']:>6.1f}"
         rows.append(row)
         print(f"{S:>6} {T:>5} {ms:>12.3f} {row['mawforge_gmac_s']:>7.1f} {ggml_ms:>9.3f} {row['ggml_gmac_s']:>7.1f} "
-              f"{row['ggml_over_mawforge']:>15.2f}x", flush=True)
+              f"{row['ggml_over_mawforge']:>15.2f}x" + tail, flush=True)
     native.set_thread_limit(None)
     print(f"saved {save('attention', dict(machine=machine(), args=vars(args), rows=rows))}")
     return 0

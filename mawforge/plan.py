@@ -172,7 +172,7 @@ def native_scratch_bytes(f: PackFacts, t: int) -> int:
 
 # models/base.py ATTN_SCORES_BYTES and decode_step.c's ATT_BLOCK / ATT_TILE (plan.py imports no torch)
 ATTN_SCORES_BYTES = 64 << 20
-ATT_BLOCK, ATT_TILE = 4, 64
+ATT_BLOCK, ATT_TILE = 4, 32
 
 
 def _up16(n: int) -> int:
