@@ -279,14 +279,14 @@ static void softmax_row(float *p, int S, int dtype) {
 }
 
 /* cache rows converted to float32 at a time: 32 x D floats (16 KiB at D 128) leave L1 room for the rows
-   tile_load prefetches; 64 made a 48-layer decode step's attention 15-25% slower, 16 slowed prefill */
+   tile_load prefetches; 64 made a 48-layer decode step's attention 14-27% slower, 16 slowed prefill */
 enum { ATT_TILE = 32 };
 enum { ATT_AHEAD = 256 };   /* cache rows ahead of the tile that tile_load prefetches */
 
 /* rows s0 .. s0 + n - 1 of a group's cache (kc/vc + at, rows of D) -> tile [n, D] float32, each row
    prefetching the row ATT_AHEAD further on (while < S). A decode step reads its whole cache once
    from memory (3 GiB a token at 32K, Qwen3-30B-A3B shape): the hardware prefetchers alone kept
-   the conversion waiting on DRAM (RESULTS.md: 15 -> 20 GB/s at 4-32K, 48 layers, 2 threads).
+   the conversion waiting on DRAM (RESULTS.md: 15 -> 22 GB/s with 32-row tiles at 4-32K, 48 layers, 2 threads).
    Prefetching changes no value. */
 static inline void tile_load(const void *c, int dtype, long at, int s0, int n, int S, int D, float *tile) {
     const long esz = dtype == KV_F32 ? 4 : 2, rb = (long)D * esz;
