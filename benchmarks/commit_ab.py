@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import ROOT, machine, pack_of, save, synth_model, worker_row  # noqa: E402
+from common import ROOT, fill_args, machine, pack_of, save, synth_model, worker_row  # noqa: E402
 
 GiB = 2**30
 
@@ -43,8 +43,7 @@ def tree(rev: str) -> tuple[str, str]:
 def row(path: str, pack: str, gib: float | None, rounds_tag: str, timeout: float, prompt_tokens: int | None,
         fill: int | None = None) -> dict:
     if fill:                                            # long_context.py's worker arguments
-        args = ["maw", "--pack", pack, "--fill-context", str(fill), "--prompt-tokens", "1", "--decode-tokens", "10",
-                "--warmup", "2", "--classes", ""]
+        args = ["maw", "--pack", pack, *fill_args(fill)]
     else:
         args = ["maw", "--pack", pack, "--classes", "code", "--greedy-tokens", "16"]
     if prompt_tokens and not fill:                      # TTFT is this prompt's prefill

@@ -113,6 +113,13 @@ def worker_row(script: str, args: list[str], limit_bytes: int | None = None, tim
     return row
 
 
+def fill_args(n: int, decode: int = 10, warmup: int = 2) -> list[str]:
+    """fullsize.py worker arguments for decode after n synthetic cached positions: one prompt token
+    at position n, then `decode` teacher-forced steps (the first `warmup` not timed), no classes"""
+    return ["--fill-context", str(n), "--prompt-tokens", "1", "--decode-tokens", str(decode), "--warmup", str(warmup),
+            "--classes", ""]
+
+
 def worker_parser(engines: tuple[str, ...]) -> argparse.ArgumentParser:
     """`SCRIPT worker ENGINE ...`: the arguments every benchmark worker takes (which file, which
     MawForge cache, llama.cpp's load, the prompt and decode lengths); scripts add their own."""

@@ -29,15 +29,14 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import machine, pack_of, save, synth_model, worker_row  # noqa: E402
+from common import fill_args, machine, pack_of, save, synth_model, worker_row  # noqa: E402
 
 FULLSIZE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fullsize.py")
 GiB = 2**30
 
 
 def row(engine: str, gguf, pack, n: int, decode: int, warmup: int, limit: float | None) -> dict:
-    args = [engine, "--fill-context", str(n), "--prompt-tokens", "1", "--decode-tokens", str(decode),
-            "--warmup", str(warmup), "--classes", ""]
+    args = [engine, *fill_args(n, decode, warmup)]
     if engine.startswith("llama"):
         args[0] = "llama"
         args += ["--model", str(gguf), "--no-repack", *(["--flash-attn"] if engine == "llama-fa" else [])]
