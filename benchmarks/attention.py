@@ -49,20 +49,14 @@ def fastest_ms(fn, min_s: float = 0.5) -> float:
 
 def layers_ms(q, keys, vals, scale: float, layers: int, g: torch.Generator) -> float:
     """attend_one over `layers` distinct caches shaped as keys/vals, one after another as a decode
-    step's layers run: fastest of 3 passes, ms"""
+    step's layers run: fastest of repeats, ms"""
     caches = [(torch.randn(keys.shape, generator=g).half(), torch.randn(vals.shape, generator=g).half())
               for _ in range(layers)]
 
     def step():
         for k, v in caches:
             native.attend_one(q, k, v, scale)
-    step()
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+    return fastest_ms(step)
 
 
 def main() -> int:

@@ -46,8 +46,8 @@ def row(path: str, pack: str, gib: float | None, rounds_tag: str, timeout: float
         args = ["maw", "--pack", pack, *fill_args(fill)]
     else:
         args = ["maw", "--pack", pack, "--classes", "code", "--greedy-tokens", "16"]
-    if prompt_tokens and not fill:                      # TTFT is this prompt's prefill
-        args += ["--prompt-tokens", str(prompt_tokens)]
+        if prompt_tokens:                               # TTFT is this prompt's prefill
+            args += ["--prompt-tokens", str(prompt_tokens)]
     if gib is None:
         args += ["--cache-percent", "100", "--preload"]
     else:
