@@ -26,7 +26,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mawforge.byte_rules import is_dense, prompt_entry_bytes, round_page, state_bytes
+from mawforge.byte_rules import KV_DTYPES, is_dense, kv_row_bytes, prompt_entry_bytes, round_page, state_bytes
 from mawforge.errors import FormatError
 from mawforge.pack.manifest import read_index, read_manifest
 
@@ -37,7 +37,6 @@ DEQUANT_TILE_BYTES = 3 * (1 << 18) * 4
 # Python and torch objects of one cached block (its slot, buffer and tensor views): measured
 # 4.1-4.7 KiB; counted for every block of the pack, the most the cache can hold
 SLOT_OBJECT_BYTES = 6 << 10
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # the auto prompt cache: this many saved prompts of a full context each, and under a budget at
 # most this share of the room the expert cache would otherwise get
 PROMPT_CACHE_CONTEXTS = 2
@@ -123,12 +122,12 @@ def kv_dtype_for(f: PackFacts, kv_dtype: str | None) -> str:
 def kv_bytes(f: PackFacts, context: int, kv_dtype: str) -> int:
     """KV of attention layers at this context plus the fixed float32 state of recurrent layers."""
     if not f.kv_layers:
-        return 2 * f.n_layers * f.n_kv_heads * f.head_dim * context * DTYPE_BYTES[kv_dtype]
-    return fixed_state_bytes(f) + state_bytes(f.kv_layers, context, DTYPE_BYTES[kv_dtype], grows=True)
+        return 2 * f.n_layers * f.n_kv_heads * context * kv_row_bytes(f.head_dim, kv_dtype)
+    return fixed_state_bytes(f) + state_bytes(f.kv_layers, context, kv_dtype, grows=True)
 
 
 def fixed_state_bytes(f: PackFacts) -> int:
-    return state_bytes(f.kv_layers, 0, 4, grows=False)
+    return state_bytes(f.kv_layers, 0, "float32", grows=False)
 
 
 def prompt_cache_bytes(f: PackFacts, context: int, kv_dtype: str) -> int:
@@ -136,7 +135,7 @@ def prompt_cache_bytes(f: PackFacts, context: int, kv_dtype: str) -> int:
     checkpoints each for a recurrent model)."""
     layout = f.kv_layers or [{"kind": "kv", "kv_heads": f.n_kv_heads, "head_dim": f.head_dim}] * f.n_layers
     checkpoints = 2 if any(s["kind"] == "recurrent" for s in layout) else 0
-    return PROMPT_CACHE_CONTEXTS * prompt_entry_bytes(layout, context, DTYPE_BYTES[kv_dtype], checkpoints, f.vocab)
+    return PROMPT_CACHE_CONTEXTS * prompt_entry_bytes(layout, context, kv_dtype, checkpoints, f.vocab)
 
 
 def framework_in_process() -> int:
@@ -293,6 +292,8 @@ def make_plan(f: PackFacts, *, budget: Budget | None = None, context: int = 4096
     if prompt_cache_gib is not None and prompt_cache_gib < 0:
         raise FormatError(f"--prompt-cache-gib must be 0 (off) or positive, got {prompt_cache_gib}")
     kvd = kv_dtype_for(f, kv_dtype)
+    if kvd not in KV_DTYPES:
+        raise FormatError(f"unknown KV cache dtype {kvd!r}; choose from {', '.join(KV_DTYPES)}")
     C = f.common_file_bytes - (f.embedding_bytes if stream_embeddings else 0) + f.dense_copy_bytes
     K = sequences * kv_bytes(f, context, kvd)
     O = overhead_bytes(f, context, prefill_chunk, framework_bytes, prefill_wave) + extra_overhead_bytes

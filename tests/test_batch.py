@@ -133,7 +133,7 @@ def test_a_small_prompt_store_never_evicts_an_entry_another_sequence_is_filling(
             solo.close()
     probe = Runtime(pack, RuntimeOptions(context=128, prefill_chunk=16, expert_cache_percent=100, threads=1,
                                          prompt_cache_gib=0))
-    one = prompt_entry_bytes(layer_layout(probe.cfg), 60, 2, 0, probe.cfg.vocab)
+    one = prompt_entry_bytes(layer_layout(probe.cfg), 60, "float16", 0, probe.cfg.vocab)
     probe.close()
     rt = Runtime(pack, RuntimeOptions(context=128, prefill_chunk=16, expert_cache_percent=100, threads=1,
                                       max_batch=3, prompt_cache_gib=1.5 * one / 2**30))

@@ -13,7 +13,7 @@ from gguf import quants as gq
 from helpers import C_COMPILER as C_COMPILER_PATH
 from helpers import needs_avx2, needs_cc
 from mawforge.codecs import quants
-from mawforge.kernels import cpu, native
+from mawforge.kernels import cpu, native, q8_0
 from bounds import (ACT_SCALE_REL, NATIVE_REORDER_ATOL_OF_MAX, NATIVE_REORDER_RTOL, Q8_ACTIVATION_REL,
                     RMS_NORM_TOL)
 
@@ -173,12 +173,13 @@ def test_scalar_build_computes_the_same_integers(tmp_path):
 def test_every_build_attends_and_routes_to_the_same_bits(tmp_path):
     """attend_one and route_topk sum in 16 lanes of one fixed order (GCC vector types, no FMA
     contraction), and convert float16 by IEEE rules either way (F16C or libgcc): the portable
-    build gives the SIMD build's bits for every KV dtype, and so does any thread count."""
+    build gives the SIMD build's bits for every KV dtype (q8_0 included), and so does any thread count."""
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 8, 64, generator=g)
     cache = {dt: (torch.randn(2, 40, 64, generator=g).to(getattr(torch, dt)),
                   torch.randn(2, 40, 64, generator=g).to(getattr(torch, dt)))
              for dt in ("float32", "float16", "bfloat16")}
+    cache["q8_0"] = tuple(q8_0.quantize(torch.randn(2, 40, 64, generator=g)) for _ in range(2))
     qs = torch.randn(7, 8, 64, generator=g)
     x, w = torch.randn(1, 96, generator=g), torch.randn(24, 96, generator=g)
     torch.save({"q": q, "qs": qs, "cache": cache, "x": x, "w": w}, tmp_path / "in.pt")
@@ -277,6 +278,70 @@ def test_prefill_attention_rows_are_the_decode_steps_bits(dt, H, G, D):
     # can round it to the neighbouring float16/bfloat16 value: one ulp of p times |v| at most
     ulp = {"float32": 0.0, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}[dt]
     torch.testing.assert_close(rows.double(), ref, rtol=1e-4, atol=1e-5 + 4 * ulp)
+
+
+def test_q8_0_rows_are_the_bytes_ggml_writes():
+    """A q8_0 KV row (kernels/q8_0.quantize, the torch path a prompt's rows take, and decode_step.c's
+    kv_put, the decode step's) is the bytes ggml's CPU quantize_row_q8_0 writes (what llama.cpp's
+    cache holds with --cache-type-k/v q8_0), ties to even, all-zero blocks and 127 x d included; and
+    dequantize is gguf-py's reading of those bytes."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from mawforge.fixtures.ggml_ref import ggml_quantize_q8_0
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(96, 128, generator=g) * torch.rand(96, 1, generator=g) * 5
+    x[1] = 0                                              # amax 0: d 0, q 0
+    x[2, :32] = torch.arange(32) - 12.7                   # x * 127 / amax lands on .5 (ties to even)
+    x[3, 64:96] = 1e-30                                    # tiny d (a float16 subnormal or 0)
+    ref = ggml_quantize_q8_0(x.numpy())
+    rows = q8_0.quantize(x)
+    assert rows.dtype == torch.uint8 and rows.shape == (96, 136)
+    assert np.array_equal(rows.numpy(), ref)
+    lib = native.library()
+    kc, vc = torch.zeros(2, 48, 136, dtype=torch.uint8), torch.zeros(2, 48, 136, dtype=torch.uint8)
+    for pos in range(48):                                  # two heads a position, as a decode step writes them
+        k, v = x[2 * pos:2 * pos + 2].contiguous(), x[(2 * pos + 7) % 96].repeat(2, 1).contiguous()
+        lib.kv_put(k.data_ptr(), v.data_ptr(), kc.data_ptr(), vc.data_ptr(), native.KV_DTYPES[torch.uint8], 2, 128,
+                   48 * 128, pos)
+        assert torch.equal(kc[:, pos], rows[2 * pos:2 * pos + 2]) and torch.equal(vc[:, pos], q8_0.quantize(v))
+    back = dequantize(ref, GGMLQuantizationType.Q8_0)
+    assert np.array_equal(q8_0.dequantize(rows).numpy(), back)
+    blocks = x.numpy().reshape(96, 4, 32)      # within half a step plus d's float16 rounding (127 x 2^-11 d)
+    step = np.abs(blocks).max(-1, keepdims=True) / 127
+    assert (np.abs(back.reshape(96, 4, 32) - blocks) <= step * (0.5 + 127 * 2.0 ** -11) + 1e-30).all()
+
+
+@pytest.mark.parametrize("H,G,D,S,T", [(32, 4, 128, 150, 37), (8, 2, 64, 70, 1), (32, 4, 128, 600, 64)])
+def test_q8_0_attention_is_ggml_flash_attention(H, G, D, S, T):
+    """The oracle for a q8_0 cache: ggml's flash attention over the same q8_0 bytes (llama.cpp's CPU
+    attention with --cache-type-k/v q8_0: Q through q8_0 for the q8_0 x q8_0 dot, V dequantized,
+    softmax in float32) gives what attend_rows gives, to float32 order; every token's row is the
+    bits attend_one gives at its position (1 and 2 threads); and the torch path (models/base.attend
+    with a window past S) agrees."""
+    from mawforge.fixtures.ggml_ref import ggml_flash_attention_q8_0
+    from mawforge.models import base
+    g = torch.Generator().manual_seed(S + T)
+    q = torch.randn(T, H, D, generator=g) * 2
+    keys = q8_0.quantize(torch.randn(G, S + 9, D, generator=g))[:, :S]        # a view of a longer cache
+    vals = q8_0.quantize(torch.randn(G, S + 9, D, generator=g))[:, :S]
+    assert native.attend_takes(q, keys, vals)
+    ref = torch.from_numpy(ggml_flash_attention_q8_0(q.numpy(), keys.contiguous().numpy(), vals.contiguous().numpy(),
+                                                     D ** -0.5))
+    try:
+        outs = []
+        for threads in (1, 2):
+            native.set_thread_limit(threads)
+            rows = native.attend_rows(q, keys, vals, D ** -0.5)
+            for t in sorted({0, T // 2, T - 1}):
+                one = native.attend_one(q[t:t + 1], keys[:, :S - T + t + 1], vals[:, :S - T + t + 1], D ** -0.5)
+                assert torch.equal(rows[t:t + 1], one), (threads, t)
+            outs.append(rows)
+        assert torch.equal(outs[0], outs[1])
+    finally:
+        native.set_thread_limit(None)
+    assert ref.shape == rows.shape == (T, H * D) and ref.abs().sum() > 0
+    torch.testing.assert_close(rows, ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(base.attend(q, keys, vals, D ** -0.5, window=10_000), rows, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("H,G,D,S,T", [(32, 4, 128, 150, 37), (32, 4, 128, 600, 64), (8, 2, 64, 70, 1),

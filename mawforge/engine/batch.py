@@ -52,7 +52,7 @@ class Sequence:
         if slot == 0:                      # the runtime's own KV and prompt-cache side
             self.kv, self.prompt_cache = rt.kv, rt.prompt_cache
         else:
-            self.kv = KVCache.for_config(rt.cfg, rt.opts.context, getattr(torch, rt.plan.kv_dtype), rt.device)
+            self.kv = KVCache.for_config(rt.cfg, rt.opts.context, rt.plan.kv_dtype, rt.device)
             if rt.model.decode_attention is not None:
                 self.kv.fast = DecodeAttention.plan(rt.model)
             self.prompt_cache = PromptCache(self, rt.prompt_cache.store) if rt.prompt_cache is not None else None

@@ -76,7 +76,7 @@ class PromptCache:
                     rt.device.type)
         self.recurrent = rt.kv.recurrent
         self.layout = layer_layout(rt.cfg)
-        self.itemsize = torch.empty(0, dtype=getattr(torch, rt.plan.kv_dtype)).element_size()
+        self.kv_dtype = rt.plan.kv_dtype
         self.live: tuple[int, ...] = ()      # the tokens whose rows the live KV holds (rt.kv.kept of them)
 
     def live_reusable(self, prompt: list[int]) -> int:
@@ -100,7 +100,7 @@ class PromptCache:
     def entry_for(self, prompt: list[int]) -> Entry:
         L, c = len(prompt), canonical(len(prompt), self.granule)
         checkpoints = tuple(sorted({c, L} - {0})) if self.recurrent else None
-        nbytes = prompt_entry_bytes(self.layout, L, self.itemsize, len(checkpoints or ()), self.rt.cfg.vocab)
+        nbytes = prompt_entry_bytes(self.layout, L, self.kv_dtype, len(checkpoints or ()), self.rt.cfg.vocab)
         return Entry(self.key, tuple(prompt), c, checkpoints, nbytes, Payload([], {}))
 
     def report(self) -> dict:

@@ -79,7 +79,7 @@ class Runtime:
         self.prefetch_spec = AUTO_PREFETCHER if auto else opts.prefetch
         self.cache = ExpertCache(self.store, self.index, self.plan.E, self.cfg.top_k, self.device,
                                  opts.policy, self.prefetch_spec, recorder)
-        self.kv = KVCache.for_config(self.cfg, opts.context, getattr(torch, self.plan.kv_dtype), self.device)
+        self.kv = KVCache.for_config(self.cfg, opts.context, self.plan.kv_dtype, self.device)
         self.model = model_class(self.cfg.arch)(self.cfg, self.weights, self.cache, self.device)
         # the prompt cache (engine/prompt_reuse.py; generate() prefills through it), None when off
         store = prompt_store if prompt_store is not None else PromptStore(self.plan.P) if self.plan.P else None

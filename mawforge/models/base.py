@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from mawforge.formats.config import ModelConfig
-from mawforge.kernels import linear, native
+from mawforge.kernels import linear, native, q8_0
 from mawforge.models.bound import bind_layers
 from mawforge.models.fastpath import DecodeAttention
 from mawforge.models.moe import MoEBlock
@@ -116,6 +116,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float
     With a float16/bfloat16 cache this computes as llama.cpp's CPU attention does: q rounded to
     the cache dtype, q.k and p.v accumulated in float32, softmax in float32, the probabilities
     rounded to the cache dtype before p.v (ggml's mul_mat converts src1 to the f16 vec_dot type).
+    With a q8_0 cache (uint8 rows, kernels/q8_0.py) as ggml's flash attention over one: q through
+    q8_0 (K's vec-dot type), the cache rows dequantized, the probabilities kept in float32.
     On the CPU (no window) one native call computes it (kernels/native attend_rows: the same steps,
     summed in its own fixed order, every token's row alone), so a prefill row is the bits of the
     decode step at its position, the call a fused decode layer makes (models/fastpath.py), and no
@@ -128,12 +130,15 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float
     if T > step:        # scores and probabilities [H, T, S] float32 within ATTN_SCORES_BYTES (plan.py counts it)
         return torch.cat([attend(q[a:a + step], keys[:, :S - T + min(a + step, T)], vals[:, :S - T + min(a + step, T)],
                                  scale, window) for a in range(0, T, step)])
-    low = keys.dtype != torch.float32
+    quant = keys.dtype == torch.uint8       # q8_0 rows: q through q8_0, probabilities float32 (ggml's flash attention)
+    low = keys.dtype != torch.float32 and not quant
     # [G, H/G*T, D]; one token is that layout already (the permute and copy would be no-ops)
     qg = q.view(G, H // G, D) if T == 1 else q.view(T, G, H // G, D).permute(1, 2, 0, 3).reshape(G, H // G * T, D)
-    if low:
+    if quant:
+        qg = q8_0.round_trip(qg)
+    elif low:
         qg = qg.to(keys.dtype)
-    scores = torch.bmm(qg.float(), keys.transpose(1, 2).float()).mul_(scale)     # [G, H/G*T, S]
+    scores = torch.bmm(qg.float(), q8_0.rows_float(keys).transpose(1, 2)).mul_(scale)   # [G, H/G*T, S]
     if window is not None:
         qpos = S - T + torch.arange(T, device=q.device)[:, None]                # [T, 1]
         kpos = torch.arange(S, device=q.device)[None]                           # [1, S]
@@ -144,7 +149,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float
     probs = torch.softmax(scores, dim=-1)
     if low:
         probs = probs.to(vals.dtype)
-    out = torch.bmm(probs.float(), vals.float())                                 # [G, H/G*T, D]
+    out = torch.bmm(probs.float(), q8_0.rows_float(vals))                        # [G, H/G*T, D]
     if T == 1:
         return out.view(1, H * D)
     return out.view(G, H // G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)

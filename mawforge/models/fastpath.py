@@ -183,7 +183,8 @@ class DecodeAttention:
         for layer, args in enumerate(self.whole):
             k, v = ks[layer], vs[layer]
             if (k is None or v is None or k.dtype not in native.KV_DTYPES or v.dtype != k.dtype or not k.is_contiguous()
-                    or not v.is_contiguous() or k.shape != v.shape or tuple(k.shape) != (g, kv.context, d)
+                    or not v.is_contiguous() or k.shape != v.shape
+                    or tuple(k.shape) != (g, kv.context, native.row_width(k.dtype, d))
                     or k.device.type != "cpu"):
                 self._kv = None
                 return False

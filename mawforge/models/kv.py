@@ -18,8 +18,9 @@ from typing import Callable
 
 import torch
 
-from mawforge.byte_rules import layer_state
+from mawforge.byte_rules import kv_row_bytes, layer_state
 from mawforge.errors import ContextLengthError, UnsupportedError
+from mawforge.kernels import q8_0
 
 
 # a chunk's replay: advance(state, m) runs the chunk's first m tokens on the layer's state tensors
@@ -33,17 +34,31 @@ def layer_layout(cfg) -> list[dict]:
                 [{"kind": "kv", "kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim}] * cfg.n_layers)
 
 
+def kv_storage(dtype: torch.dtype | str) -> tuple[str, torch.dtype]:
+    """A KV dtype (its name, as plan.kv_dtype, or a torch float dtype) -> (name, the torch dtype its
+    rows are stored in: uint8 for q8_0's blocks)."""
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if name == "q8_0":
+        return name, torch.uint8
+    kv_row_bytes(1, name)           # an unknown name is an error here, as in the plan
+    return name, getattr(torch, name)
+
+
 class KVCache:
-    # k[layer], v[layer]: [G, ctx, D] (None for recurrent layers); state[layer]: list of f32 tensors
+    # k[layer], v[layer]: [G, ctx, D] (None for recurrent layers; a q8_0 cache's rows are uint8
+    # [G, ctx, D / 32 * 34], kernels/q8_0.py); state[layer]: list of f32 tensors
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, context: int,
-                 dtype: torch.dtype, device: torch.device, layout: list[dict] | None = None):
+                 dtype: torch.dtype | str, device: torch.device, layout: list[dict] | None = None):
         self.context = context
+        self.kv_dtype, store = kv_storage(dtype)
+        self.quant = self.kv_dtype == "q8_0"
         layout = layout or [{"kind": "kv", "kv_heads": n_kv_heads, "head_dim": head_dim}] * n_layers
         self.k: list[torch.Tensor | None] = []
         self.v: list[torch.Tensor | None] = []
         self.state: list[list[torch.Tensor] | None] = []
-        for spec in layout:                 # the shapes plan.py counts (byte_rules.layer_state)
-            grow = [torch.zeros(*shape, dtype=dtype, device=device) for shape, g in layer_state(spec, context) if g]
+        for spec in layout:                 # the shapes plan.py counts (byte_rules.layer_state, kv_row_bytes)
+            grow = [torch.zeros(*shape[:-1], kv_row_bytes(shape[-1], self.kv_dtype) // store.itemsize, dtype=store,
+                                device=device) for shape, g in layer_state(spec, context) if g]
             fixed = [torch.zeros(*shape, dtype=torch.float32, device=device)
                      for shape, g in layer_state(spec, context) if not g]
             self.k.append(grow[0] if grow else None)           # MLA: one compressed row per position, no v
@@ -57,12 +72,8 @@ class KVCache:
         self._snap: dict[int, list[torch.Tensor]] = {}                  # recurrent state at mark()
 
     @classmethod
-    def for_config(cls, cfg, context: int, dtype: torch.dtype, device: torch.device) -> "KVCache":
+    def for_config(cls, cfg, context: int, dtype: torch.dtype | str, device: torch.device) -> "KVCache":
         return cls(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, context, dtype, device, layer_layout(cfg))
-
-    @staticmethod
-    def bytes_for(n_layers: int, n_kv_heads: int, head_dim: int, context: int, dtype: torch.dtype) -> int:
-        return 2 * n_layers * n_kv_heads * context * head_dim * torch.empty(0, dtype=dtype).element_size()
 
     @property
     def nbytes(self) -> int:
@@ -82,20 +93,26 @@ class KVCache:
         if self.pos + n > self.context:
             raise ContextLengthError(f"{self.pos + n} tokens exceed the context of {self.context}")
 
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """float rows [..., D] as this cache stores them (q8_0 blocks; else copy_ converts as .to() does)"""
+        return q8_0.quantize(x) if self.quant else x
+
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [T, G, D] at the uncommitted positions; return the layer's [G, S, D] views."""
+        """Write k, v [T, G, D] at the uncommitted positions; return the layer's [G, S, D] views
+        (a q8_0 cache's stored rows: kernels/q8_0.rows_float gives their values)."""
         T = k.shape[0]
         end = self.pos + T
         kc, vc = self.k[layer], self.v[layer]
-        kc[:, self.pos:end].copy_(k.transpose(0, 1))      # copy_ converts as .to() does, in place
-        vc[:, self.pos:end].copy_(v.transpose(0, 1))
+        kc[:, self.pos:end].copy_(self._rows(k.transpose(0, 1)))
+        vc[:, self.pos:end].copy_(self._rows(v.transpose(0, 1)))
         return kc[:, :end], vc[:, :end]
 
     def append_latent(self, layer: int, c: torch.Tensor) -> torch.Tensor:
-        """MLA: write latent rows c [T, R] at the uncommitted positions; return the layer's [S, R]."""
+        """MLA: write latent rows c [T, R] at the uncommitted positions; return the layer's [S, R]
+        stored rows."""
         end = self.pos + c.shape[0]
         kc = self.k[layer]
-        kc[self.pos:end] = c.to(kc.dtype)
+        kc[self.pos:end].copy_(self._rows(c))
         return kc[:end]
 
     def layer_state(self, layer: int) -> list[torch.Tensor]:

@@ -111,7 +111,7 @@ class MtpMixin:
         L = self.cfg.n_layers
         return self.cfg.args.mtp_layers > 0 and self.w.has(f"blk.{L}.nextn.eh_proj.weight")
 
-    def enable_mtp(self, context: int, dtype: torch.dtype = torch.float32) -> MtpState:
+    def enable_mtp(self, context: int, dtype: torch.dtype | str = torch.float32) -> MtpState:
         self.mtp = MtpState(self.mtp_cache(context, dtype))
         return self.mtp
 

@@ -193,7 +193,7 @@ class MtpDrafter(Drafter, name="mtp"):
         if not hasattr(model, "mtp_propose"):
             raise UnsupportedError(f"this model ({arch}) has MTP layers, but MTP drafting is not wired for it yet; "
                                    f"use --speculative ngram or draft")
-        self.state = model.enable_mtp(target.opts.context, getattr(torch, target.plan.kv_dtype))
+        self.state = model.enable_mtp(target.opts.context, target.plan.kv_dtype)
         self.hidden_bytes = target.opts.context * target.cfg.hidden * 4
         p, extra = target.plan, self.state.kv.nbytes + self.hidden_bytes
         if p.budget_bytes is not None and p.L + extra > p.budget_bytes:

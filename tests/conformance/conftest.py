@@ -70,11 +70,12 @@ class Sources:
                 self._hf_logits[key] = model(torch.tensor([list(tokens)])).logits[0].float()
         return self._hf_logits[key]
 
-    def llama(self, case: ArchCase, ftype: str, tokens, n_batch: int = 512):
-        """llama.cpp's teacher-forced logits [T, V] (numpy) on one GGUF, in a child process."""
-        key = (case.arch, ftype, tuple(tokens), n_batch)
+    def llama(self, case: ArchCase, ftype: str, tokens, n_batch: int = 512, **kw):
+        """llama.cpp's teacher-forced logits [T, V] (numpy) on one GGUF, in a child process
+        (kw: llama_logits' cache_type, attn_rot)."""
+        key = (case.arch, ftype, tuple(tokens), n_batch, tuple(sorted(kw.items())))
         if key not in self._llama:
-            self._llama[key] = api.llama_logits(self.path(case, ftype), list(tokens), n_ctx=320, n_batch=n_batch)
+            self._llama[key] = api.llama_logits(self.path(case, ftype), list(tokens), n_ctx=320, n_batch=n_batch, **kw)
         return self._llama[key]
 
 

@@ -72,6 +72,42 @@ def test_llama_cpp_agrees_teacher_forced(sources, case, check, layout):
         assert agree[clear].mean() >= 0.99
 
 
+Q8_ROWS = rows(lambda c: any(k.ftype == "F32" for k in c.llama) and not c.arch.startswith("deepseek"))
+
+
+@pytest.mark.parametrize("case", Q8_ROWS, ids=lambda c: c.id)
+def test_q8_0_kv_cache_agrees_with_llama_cpp_q8_0(sources, case):
+    """`kv_dtype="q8_0"` against llama.cpp's `--cache-type-k/v q8_0` (flash attention, which a
+    quantized V needs) on the same F32 GGUF, the prompt in chunks, then 8 native decode steps.
+    Both quantize each cached row with ggml's x86 quantize_row_q8_0 (tests/test_native.py pins the
+    bytes and the attention over them). llama.cpp 0.3.36 also rotates q, k and v by a Walsh-Hadamard
+    matrix before quantizing where the head dim is a multiple of 64; MawForge does not, so the
+    oracle runs with that rotation off (LLAMA_ATTN_ROT_DISABLE). The two then differ by float32
+    order and the 8-bit roundings it flips: measured max |diff| 3e-6 - 7e-2, at most 0.13 of how far
+    q8_0 itself moves llama.cpp's logits from its float16 cache's (8e-3 - 0.86; bound 0.25); top-1
+    equal at every position but one near-tie of Llama 4's (0.975). With the rotation on, the rows
+    of head dim 64 differ by 0.05-0.1 (two quantizations of different rows), printed with -s.
+    (DeepSeek's latent rows of 80 values take no q8_0 cache: test_prompt_cache_rows.)"""
+    tokens = case.llama_tokens[:48]
+    cut = len(tokens) - 8
+    ref = sources.llama(case, "F32", tokens, cache_type="q8_0", attn_rot=False)
+    rt = open_rt(sources.pack(case, "F32"), "100", context=96, prefill_chunk=16, kv_dtype="q8_0")
+    try:
+        got = rt.forward(list(tokens[:cut]), all_logits=True)
+        steps = [rt.forward([t], kind="decode")[0] for t in tokens[cut:]]       # the native decode step's rows
+    finally:
+        rt.close()
+    got = torch.cat((got, torch.stack(steps))).numpy()
+    rotated = sources.llama(case, "F32", tokens, cache_type="q8_0")
+    f16 = sources.llama(case, "F32", tokens)
+    diff, effect = np.abs(got - ref).max(), np.abs(ref - f16).max()
+    agree = (got.argmax(-1) == ref.argmax(-1)).mean()
+    print(f"{case.arch} q8_0: max |diff| {diff:.1e}, top-1 {agree:.3f}; q8_0 against float16 {effect:.1e}; "
+          f"llama.cpp's rotation on: {np.abs(got - rotated).max():.1e}")
+    assert diff <= 0.25 * effect
+    assert agree >= 0.95
+
+
 @pytest.mark.parametrize("case", rows(lambda c: c.llama), ids=lambda c: c.id)
 def test_every_gguf_generates_in_llama_cpp(sources, case):
     paths = [sources.path(case, chk.ftype) for chk in case.llama]
@@ -143,9 +179,15 @@ def test_planned_bytes_equal_allocations(sources, case):
     finally:
         rt.close()
     facts, cfg = api.PackFacts.from_pack(pack_dir), api.read_manifest(pack_dir).config
-    for ctx, dtype in ((64, "float32"), (1000, "bfloat16")):
+    for ctx, dtype in ((64, "float32"), (1000, "bfloat16"), (1000, "q8_0")):
+        if dtype == "q8_0" and case.arch.startswith("deepseek"):    # latent rows of 80: test_prompt_cache_rows
+            continue
         plan = api.make_plan(facts, context=ctx, kv_dtype=dtype)
-        assert plan.K == api.KVCache.for_config(cfg, ctx, getattr(torch, dtype), torch.device("cpu")).nbytes
+        assert plan.K == api.KVCache.for_config(cfg, ctx, dtype, torch.device("cpu")).nbytes
+    if not case.arch.startswith("deepseek"):   # a position's rows: 34 bytes a 32 values in q8_0, 64 in bfloat16
+        per = {dt: api.make_plan(facts, context=1000, kv_dtype=dt).K - api.make_plan(facts, context=1, kv_dtype=dt).K
+               for dt in ("q8_0", "bfloat16")}
+        assert per["q8_0"] * 64 == per["bfloat16"] * 34 > 0
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from mawforge.archs._yarn import yarn_mscale
-from mawforge.kernels import linear
+from mawforge.kernels import linear, q8_0
 from mawforge.models.base import MoETransformer, Rope, rms_norm
 from mawforge.models.kv import KVCache
 from mawforge.models.mtp import MtpMixin
@@ -53,7 +53,7 @@ class Deepseek2(MtpMixin, MoETransformer):
         ckv = lw.proj("attn_kv_a_mqa.weight", x).float()                    # [T, R+P]
         c = rms_norm(ckv[:, :R], lw["attn_kv_a_norm.weight"], self.cfg.norm_eps)
         k_pe = self.rope(ckv[:, None, R:], pos)[:, 0]                             # [T, P]
-        lat = kv.append_latent(layer, torch.cat((c, k_pe), dim=-1)).float()       # [S, R+P]
+        lat = q8_0.rows_float(kv.append_latent(layer, torch.cat((c, k_pe), dim=-1)))       # [S, R+P]
         S = lat.shape[0]
         w_uk, w_uv = self._up(lw)
         q_abs = torch.einsum("thn,hnr->htr", q_nope, w_uk)                        # [H, T, R]

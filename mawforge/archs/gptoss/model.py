@@ -6,7 +6,7 @@ import functools
 import torch
 
 from mawforge.codecs import quants
-from mawforge.kernels import linear
+from mawforge.kernels import linear, q8_0
 from mawforge.models.base import MoETransformer, Rope
 
 
@@ -58,7 +58,9 @@ class GptOss(MoETransformer):
         keys, vals = kv.append(layer, k, v)                                       # [G, S, D]
         S = keys.shape[1]
         qg = q.view(T, G, H // G, D).permute(1, 2, 0, 3).reshape(G, H // G * T, D)
-        scores = torch.bmm(qg, keys.float().transpose(1, 2)).view(G, H // G, T, S) * self.scale
+        if keys.dtype == torch.uint8:       # a q8_0 cache: q through q8_0 (ggml's flash attention; models/base.attend)
+            qg = q8_0.round_trip(qg)
+        scores = torch.bmm(qg, q8_0.rows_float(keys).transpose(1, 2)).view(G, H // G, T, S) * self.scale
         qpos = S - T + torch.arange(T, device=x.device)[:, None]                  # [T, 1]
         kpos = torch.arange(S, device=x.device)[None]                             # [1, S]
         mask = kpos > qpos
@@ -67,6 +69,6 @@ class GptOss(MoETransformer):
         scores = scores.masked_fill(mask, float("-inf"))
         sink = lw["attn_sinks.weight"].view(G, H // G, 1, 1).expand(G, H // G, T, 1)
         probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :S]  # [G, H/G, T, S]
-        out = torch.bmm(probs.reshape(G, H // G * T, S), vals.float())             # [G, H/G*T, D]
+        out = torch.bmm(probs.reshape(G, H // G * T, S), q8_0.rows_float(vals))             # [G, H/G*T, D]
         out = out.view(G, H // G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)
         return lw.proj("attn_output.weight", out)

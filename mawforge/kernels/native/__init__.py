@@ -79,8 +79,9 @@ _SIGNATURES = (("qgemm", [_I, _P, _I, _I, _P, _I, _P]),
                ("decode_layer", [_P, _P, _P, _I, _P, _P, _P, _P, _P, _P]),
                ("decode_layer_rows", [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P]))
 _VOID = ("set_threads", "rms_norm_rows", "rope_rows", "kv_put", "route_topk", "route_topk_rows")
-# the KV cache dtypes attend_one and decode_layer read and write (decode_step.c's KV_* codes)
-KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# the KV cache dtypes attend_one and decode_layer read and write (decode_step.c's KV_* codes); uint8
+# rows are q8_0 blocks (kernels/q8_0.py)
+KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.uint8: 3}
 
 
 def cpu_flags() -> str:
@@ -328,13 +329,25 @@ def _kv_strides(t: torch.Tensor) -> int | None:
     return t.stride(0)
 
 
+def row_width(dtype: torch.dtype, d: int) -> int:
+    """Elements of a cached row of d values: q8_0 rows (uint8) are d / 32 blocks of 34 bytes."""
+    return d // 32 * 34 if dtype == torch.uint8 else d
+
+
+def _group_stride(t: torch.Tensor) -> int:
+    """A cache view's group stride in values (decode_step.c's sg), from its stride in elements."""
+    return t.stride(0) // 34 * 32 if t.dtype == torch.uint8 else t.stride(0)
+
+
 def attend_takes(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> bool:
     """True where `attend_one` / `attend_rows` compute this attention: float32 q [T, H, D] on the
-    CPU (T <= S), keys/vals [G, S, D] of one KV dtype with rows of D contiguous and one group stride."""
+    CPU (T <= S), keys/vals [G, S, D] of one KV dtype (q8_0: uint8 [G, S, D / 32 * 34]) with rows
+    contiguous and one group stride."""
     if not (available() and q.device.type == "cpu" and q.dtype == torch.float32 and q.dim() == 3
             and keys.dtype in KV_DTYPES and vals.dtype == keys.dtype and keys.device.type == "cpu"
-            and vals.device.type == "cpu" and keys.shape == vals.shape and q.shape[1] % keys.shape[0] == 0
-            and q.shape[2] == keys.shape[2] and 0 < q.shape[0] <= keys.shape[1]):
+            and vals.device.type == "cpu" and keys.shape == vals.shape and keys.dim() == 3
+            and q.shape[1] % keys.shape[0] == 0 and (keys.dtype != torch.uint8 or q.shape[2] % 32 == 0)
+            and row_width(keys.dtype, q.shape[2]) == keys.shape[2] and 0 < q.shape[0] <= keys.shape[1]):
         return False
     sg = _kv_strides(keys)
     return sg is not None and _kv_strides(vals) == sg
@@ -355,12 +368,13 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: 
     g, s, _ = keys.shape
     qf = q.contiguous()
     out = torch.empty(t, h * d, dtype=torch.float32)
+    code, sg = KV_DTYPES[keys.dtype], _group_stride(keys)
     if t == 1:
-        rc = lib.attend_one(qf.data_ptr(), keys.data_ptr(), vals.data_ptr(), KV_DTYPES[keys.dtype], keys.stride(0),
-                            s, h, g, d, scale, out.data_ptr())
+        rc = lib.attend_one(qf.data_ptr(), keys.data_ptr(), vals.data_ptr(), code, sg, s, h, g, d, scale,
+                            out.data_ptr())
     else:
-        rc = lib.attend_rows(qf.data_ptr(), keys.data_ptr(), vals.data_ptr(), KV_DTYPES[keys.dtype], keys.stride(0),
-                             s, t, h, g, d, scale, out.data_ptr())
+        rc = lib.attend_rows(qf.data_ptr(), keys.data_ptr(), vals.data_ptr(), code, sg, s, t, h, g, d, scale,
+                             out.data_ptr())
     if rc != 0:
         raise MemoryError("native attention could not allocate its scratch")
     return out

@@ -53,13 +53,49 @@ int attn_qkv(const float *x, int C, const uint8_t *wq, int tq, const uint8_t *wk
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 int omp_team(void);     /* kquant_gemm.c: the kernels' team size */
 
-enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+/* KV_Q8_0: ggml's block_q8_0 rows (per 32 values a float16 scale d, then 32 int8 q; x = d * q),
+   D % 32 == 0; offsets into a cache stay in values (at), a row's bytes are D / 32 * 34 */
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_Q8_0 = 3 };
+enum { Q8_BLOCK = 32, Q8_BYTES = 34 };
+
+/* the bytes before value `at` of a cache of `dtype` (at a multiple of 32 for q8_0) */
+static inline long kv_bytes_at(int dtype, long at) {
+    return dtype == KV_Q8_0 ? at / Q8_BLOCK * Q8_BYTES : at * (dtype == KV_F32 ? 4 : 2);
+}
+
+/* 32 values -> one q8_0 block as ggml's x86 CPU quantize_row_q8_0 writes it (what llama.cpp's KV
+   cache holds on these CPUs): amax = max |x|, d = amax / 127 (stored as float16), q = x * (127 /
+   amax) rounded to nearest even (0 where amax is 0). The same bits in every build (rintf under the
+   default rounding mode is vroundps or libm's rint). */
+static inline void q8_block_put(const float *x, uint8_t *blk) {
+    float amax = 0.f;
+    for (int j = 0; j < Q8_BLOCK; j++) { const float a = fabsf(x[j]); amax = a > amax ? a : amax; }
+    const _Float16 d = (_Float16)(amax / 127.f);
+    const float id = amax != 0.f ? 127.f / amax : 0.f;
+    memcpy(blk, &d, 2);
+    int8_t *q = (int8_t *)(blk + 2);
+    for (int j = 0; j < Q8_BLOCK; j++) q[j] = (int8_t)(int)rintf(x[j] * id);
+}
+/* one q8_0 block -> 32 float32 values d * q (ggml's dequantize_row_q8_0) */
+static inline void q8_block_get(const uint8_t *blk, float *dst) {
+    _Float16 dh;
+    memcpy(&dh, blk, 2);
+    const float d = (float)dh;
+    const int8_t *q = (const int8_t *)(blk + 2);
+#ifdef __AVX512F__
+    const __m512 dv = _mm512_set1_ps(d);
+    for (int j = 0; j < Q8_BLOCK; j += 16)
+        _mm512_storeu_ps(dst + j, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + j))))));
+#else
+    for (int j = 0; j < Q8_BLOCK; j++) dst[j] = d * (float)q[j];
+#endif
+}
 
 /* float32 -> bfloat16 as torch's c10::BFloat16 rounds (nearest even; NaN -> 0x7FC0) */
 static inline uint16_t bf16_bits(float f) {
@@ -90,6 +126,9 @@ static inline void row_load(const void *base, int dtype, long at, int D, float *
         for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + d))));
 #endif
         for (; d < D; d++) dst[d] = (float)p[d];
+    } else if (dtype == KV_Q8_0) {
+        const uint8_t *p = (const uint8_t *)base + kv_bytes_at(dtype, at);
+        for (int b = 0; b < D / Q8_BLOCK; b++) q8_block_get(p + b * Q8_BYTES, dst + b * Q8_BLOCK);
     } else { const uint16_t *p = (const uint16_t *)base + at; for (int d = 0; d < D; d++) dst[d] = bf16_value(p[d]); }
 }
 /* float32 row -> the cache's dtype (round to nearest even, as torch's copy_) */
@@ -103,9 +142,13 @@ static inline void row_store(void *base, int dtype, long at, int D, const float 
             _mm_storeu_si128((__m128i *)(p + d), _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT));
 #endif
         for (; d < D; d++) p[d] = (_Float16)src[d];
+    } else if (dtype == KV_Q8_0) {
+        uint8_t *p = (uint8_t *)base + kv_bytes_at(dtype, at);
+        for (int b = 0; b < D / Q8_BLOCK; b++) q8_block_put(src + b * Q8_BLOCK, p + b * Q8_BYTES);
     } else { uint16_t *p = (uint16_t *)base + at; for (int d = 0; d < D; d++) p[d] = bf16_bits(src[d]); }
 }
-/* x [n] rounded to the cache dtype and back in place (what torch's .to(dtype).float() gives) */
+/* x [n] rounded to the cache dtype and back in place (what torch's .to(dtype).float() gives; for
+   q8_0 a query row as ggml's flash attention converts Q to K's q8_0 vec-dot type) */
 static inline void round_row(int dtype, float *x, int n) {
     int i = 0;
     if (dtype == KV_F16) {
@@ -116,6 +159,12 @@ static inline void round_row(int dtype, float *x, int n) {
         for (; i < n; i++) x[i] = (float)(_Float16)x[i];
     } else if (dtype == KV_BF16)
         for (; i < n; i++) x[i] = bf16_value(bf16_bits(x[i]));
+    else if (dtype == KV_Q8_0)       /* through q8_0 and back, by blocks of 32 (n a multiple of 32) */
+        for (; i + Q8_BLOCK <= n; i += Q8_BLOCK) {
+            uint8_t blk[Q8_BYTES];
+            q8_block_put(x + i, blk);
+            q8_block_get(blk, x + i);
+        }
 }
 
 /* 16 float lanes as one value: GCC lowers it to one AVX-512 register, two AVX2 or four SSE ones,
@@ -229,7 +278,7 @@ static inline v16f exp16(v16f x) {
     return (v16f)((v16i)(p * (v16f)e) & ~under);
 }
 
-/* p [S] scores -> softmax probabilities (max subtracted, float32), rounded to the cache dtype:
+/* p [S] scores -> softmax probabilities (max subtracted, float32), rounded to a float cache's dtype:
    16 lanes at a time (the sum in 16 lanes, then pairwise: one fixed order), the tail one by one */
 static void softmax_row(float *p, int S, int dtype) {
     float m = -INFINITY;
@@ -275,7 +324,7 @@ static void softmax_row(float *p, int S, int dtype) {
         memcpy(p + s, &q, sizeof q);
     }
     for (; s < S; s++) p[s] = p[s] / sum;
-    round_row(dtype, p, S);
+    if (dtype != KV_Q8_0) round_row(dtype, p, S);   /* q8_0: float32, as ggml's flash attention keeps them */
 }
 
 /* cache rows converted to float32 at a time: 32 x D floats (16 KiB at D 128) leave L1 room for the rows
@@ -289,8 +338,8 @@ enum { ATT_AHEAD = 256 };   /* cache rows ahead of the tile that tile_load prefe
    the conversion waiting on DRAM (RESULTS.md: 15 -> 22 GB/s with 32-row tiles at 4-32K, 48 layers, 2 threads).
    Prefetching changes no value. */
 static inline void tile_load(const void *c, int dtype, long at, int s0, int n, int S, int D, float *tile) {
-    const long esz = dtype == KV_F32 ? 4 : 2, rb = (long)D * esz;
-    const char *base = (const char *)c + at * esz;
+    const long rb = kv_bytes_at(dtype, D);
+    const char *base = (const char *)c + kv_bytes_at(dtype, at);
     for (int t = 0; t < n; t++) {
         if (s0 + t + ATT_AHEAD < S) {
             const char *ahead = base + (long)(s0 + t + ATT_AHEAD) * rb;
