@@ -60,8 +60,14 @@ class LlamaEngine:
         if a.no_repack:
             llama_repack_off()
         self.flash_attn = bool(getattr(a, "flash_attn", False))     # llama-cpp-python's default: off
+        self.kv_dtype = getattr(a, "kv_dtype", None) or "float16"
+        q8 = {}
+        if self.kv_dtype == "q8_0":         # --cache-type-k/v q8_0: a quantized V needs flash attention
+            q8, self.flash_attn = dict(type_k=llama_cpp.GGML_TYPE_Q8_0, type_v=llama_cpp.GGML_TYPE_Q8_0), True
+        elif self.kv_dtype != "float16":
+            raise SystemExit(f"llama.cpp rows take --kv-dtype float16 or q8_0, not {self.kv_dtype}")
         self.llm = llama_cpp.Llama(a.model, n_ctx=context_for(a), n_batch=512, n_threads=THREADS,
-                                   n_threads_batch=THREADS, flash_attn=self.flash_attn, verbose=False)
+                                   n_threads_batch=THREADS, flash_attn=self.flash_attn, verbose=False, **q8)
 
     def encode(self, text: str) -> list[int]:
         return self.llm.tokenize(text.encode(), add_bos=False, special=False)
@@ -117,7 +123,7 @@ class LlamaEngine:
         return 0
 
     def report(self) -> dict:
-        return {"flash_attn": self.flash_attn}
+        return {"flash_attn": self.flash_attn, "kv_dtype": self.kv_dtype}
 
 
 class MawEngine:
@@ -135,7 +141,8 @@ class MawEngine:
                                                  budget=budget, prefill_chunk=a.prefill_chunk,
                                                  threads=THREADS, check_digests=False,
                                                  stream_embeddings=a.budget_gib is not None, prefetch=a.prefetch,
-                                                 io_threads=a.io_threads, policy=a.policy), recorder=self.recorder)
+                                                 io_threads=a.io_threads, policy=a.policy,
+                                                 kv_dtype=getattr(a, "kv_dtype", None)), recorder=self.recorder)
         if a.preload:
             self.rt.cache.preload()
 
@@ -145,6 +152,7 @@ class MawEngine:
     def fill(self, n: int) -> None:
         """Positions 0..n-1 of every attention layer hold synthetic keys and values (the rows
         LlamaEngine.fill writes); the next token runs at position n."""
+        from mawforge.kernels import q8_0
         torch, kv = self.torch, self.rt.kv
         block = None
         for kc, vc in zip(kv.k, kv.v):
@@ -152,7 +160,12 @@ class MawEngine:
                 continue
             g, _, d = kc.shape
             if block is None:
-                block = torch.from_numpy(synthetic_rows(n, g * d)).view(n, g, d).transpose(0, 1).to(kc.dtype)
+                if kv.quant:            # q8_0 rows of the same values, as llama.cpp's q8_0 cache holds them
+                    d = d // 34 * 32
+                    block = q8_0.quantize(torch.from_numpy(synthetic_rows(n, g * d)).float().view(n, g, d))
+                    block = block.transpose(0, 1)
+                else:
+                    block = torch.from_numpy(synthetic_rows(n, g * d)).view(n, g, d).transpose(0, 1).to(kc.dtype)
             kc[:, :n].copy_(block)
             vc[:, :n].copy_(block)
         kv.commit(n)
@@ -251,10 +264,15 @@ class SeqState:
 
         import numpy as np
         ktypes = {t for t, _ in self.k} | {x[0] for x in self.v}
-        if ktypes != {1}:                       # GGML_TYPE_F16
-            raise RuntimeError(f"llama.cpp's cache is not float16 here (types {ktypes})")
-        width = self.k[0][1] // 2
-        rows = synthetic_rows(n, width)
+        if ktypes == {1}:                       # GGML_TYPE_F16
+            rows = synthetic_rows(n, self.k[0][1] // 2)
+        elif ktypes == {8} and not self.v_trans:    # GGML_TYPE_Q8_0 (flash attention: V rows, not columns)
+            import torch
+
+            from mawforge.kernels import q8_0
+            rows = q8_0.quantize(torch.from_numpy(synthetic_rows(n, self.k[0][1] // 34 * 32)).float()).numpy()
+        else:
+            raise RuntimeError(f"llama.cpp's cache is neither float16 nor q8_0 rows here (types {ktypes})")
         with open(path, "wb") as f:
             f.write(self.head + struct.pack("<I", n) + np.full(n, 1000, np.int32).tobytes())
             f.write(struct.pack("<II", self.streams, n))
@@ -365,6 +383,8 @@ def main() -> int:
         ap.add_argument("--trace-out", help="MawForge: save the child's route trace here (.npz)")
         ap.add_argument("--policy", default="s3fifo", help="MawForge: expert cache policy")
         ap.add_argument("--flash-attn", action="store_true", help="llama.cpp: flash attention on")
+        ap.add_argument("--kv-dtype", help="KV cache dtype (MawForge's --kv-dtype; llama.cpp: float16 or q8_0, "
+                                           "--cache-type-k/v, with flash attention)")
         ap.add_argument("--fill-context", type=int, default=0,
                         help="first fill this many positions with synthetic keys and values (long-context decode)")
         print(json.dumps(work(ap.parse_args())))

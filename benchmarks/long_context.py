@@ -11,6 +11,7 @@ steps before it) and runs the experts its token routes to. Then one token at pos
 --decode-tokens teacher-forced steps (the first --warmup not timed).
 
     python benchmarks/long_context.py [--contexts 4096,16384,32768] [--limits 8] [--rounds 1]
+        [--engines maw,llama,llama-fa,maw-q8,llama-q8] [--limit-engines maw,maw-q8]
 
 Engines alternate within each round; llama.cpp loads with repack off (its default load needs
 more memory than this machine has), once with llama-cpp-python's default (flash attention off)
@@ -35,11 +36,17 @@ FULLSIZE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fullsize.py
 GiB = 2**30
 
 
+# engine -> (worker engine, extra worker arguments); -q8: the KV cache in q8_0 (llama.cpp's
+# --cache-type-k/v q8_0 needs flash attention and turns it on)
+ENGINES = {"maw": ("maw", []), "maw-q8": ("maw", ["--kv-dtype", "q8_0"]), "llama": ("llama", []),
+           "llama-fa": ("llama", ["--flash-attn"]), "llama-q8": ("llama", ["--kv-dtype", "q8_0"])}
+
+
 def row(engine: str, gguf, pack, n: int, decode: int, warmup: int, limit: float | None) -> dict:
-    args = [engine, *fill_args(n, decode, warmup)]
-    if engine.startswith("llama"):
-        args[0] = "llama"
-        args += ["--model", str(gguf), "--no-repack", *(["--flash-attn"] if engine == "llama-fa" else [])]
+    worker, extra = ENGINES[engine]
+    args = [worker, *fill_args(n, decode, warmup), *extra]
+    if worker == "llama":
+        args += ["--model", str(gguf), "--no-repack"]
     elif limit:
         args += ["--pack", str(pack), "--budget-gib", f"{0.92 * limit:.3f}"]
     else:
@@ -65,12 +72,15 @@ def report(rows: list[dict]) -> dict:
         o = {e: {"decode_tok_s": get(e, "decode_tok_s"), "peak_rss_gib": get(e, "peak_rss_bytes") / GiB,
                  **({"planned_F_gib": get(e, "planned_F") / GiB} if all(r.get("planned_F") for r in by[e]) else {})}
              for e in by}
-        for peer in ("llama", "llama-fa"):
-            if "maw" in by and peer in by:
-                o[f"maw_x_{peer}"] = get("maw", "decode_tok_s") / get(peer, "decode_tok_s")
-            for e in [e for e in by if e.startswith("maw@")]:
+        for mine, peer in (("maw", "llama"), ("maw", "llama-fa"), ("maw-q8", "llama-q8"), ("maw-q8", "llama"),
+                           ("maw-q8", "maw")):
+            if mine in by and peer in by:
+                o[f"{mine}_x_{peer}"] = get(mine, "decode_tok_s") / get(peer, "decode_tok_s")
+        for e in [e for e in by if "@" in e]:      # a limited row against the resident peers and, for
+            mine, _, lim = e.partition("@")        # maw-q8, maw's row at the same limit
+            for peer in ("llama", "llama-fa", "llama-q8", *([f"maw@{lim}"] if mine == "maw-q8" else [])):
                 if peer in by:
-                    o[f"{e}_x_{peer}_resident"] = get(e, "decode_tok_s") / get(peer, "decode_tok_s")
+                    o[f"{e}_x_{peer}"] = get(e, "decode_tok_s") / get(peer, "decode_tok_s")
         out[n] = o
     return out
 
@@ -81,7 +91,9 @@ def main() -> None:
     ap.add_argument("--contexts", default="4096,16384,32768")
     ap.add_argument("--limits", default="8", help="GiB for MawForge's limited rows ('' for none)")
     ap.add_argument("--engines", default="maw,llama,llama-fa",
-                    help="resident engines: maw, llama (its default: flash attention off), llama-fa (on)")
+                    help="resident engines: maw, llama (its default: flash attention off), llama-fa (on); "
+                         "maw-q8, llama-q8: the KV cache in q8_0")
+    ap.add_argument("--limit-engines", default="maw", help="MawForge engines run inside each of --limits")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--decode-tokens", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
@@ -90,12 +102,15 @@ def main() -> None:
     pack = pack_of(gguf)
     limits = [float(x) for x in a.limits.split(",") if x]
     engines = [e for e in a.engines.split(",") if e]
+    bad = [e for e in engines + a.limit_engines.split(",") if e and e not in ENGINES]
+    if bad or any(not e.startswith("maw") for e in a.limit_engines.split(",") if e):
+        ap.error(f"unknown or unlimitable engines {bad or a.limit_engines}; choose from {', '.join(ENGINES)}")
     res = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "file": str(gguf),
            "rows": []}
     for rnd in range(a.rounds):
         for n in [int(x) for x in a.contexts.split(",")]:
             order = engines if rnd % 2 == 0 else engines[::-1]
-            for engine in order + [f"maw@{lim:g}" for lim in limits]:
+            for engine in order + [f"{e}@{lim:g}" for lim in limits for e in a.limit_engines.split(",") if e]:
                 eng, _, lim = engine.partition("@")
                 r = row(eng, gguf, pack, n, a.decode_tokens, a.warmup, float(lim) if lim else None)
                 r.update(engine=engine, context=n, round=rnd)

@@ -14,23 +14,27 @@ from mawforge.pack.packer import pack
 
 
 
-@pytest.mark.parametrize("flash_attn", [False, True])      # llama.cpp's values transposed in its cache, or not
-def test_both_engines_decode_the_same_token_after_the_same_synthetic_context(tmp_path, flash_attn):
+# llama.cpp's values transposed in its cache or not (flash attention), and both caches in q8_0 (llama.cpp's
+# Hadamard rotation of a quantized cache off: with it the same synthetic rows mean other values there)
+@pytest.mark.parametrize("flash_attn,kv_dtype", [(False, None), (True, None), (True, "q8_0")])
+def test_both_engines_decode_the_same_token_after_the_same_synthetic_context(tmp_path, monkeypatch, flash_attn,
+                                                                             kv_dtype):
     import llama_cpp
+    monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", "1")
     fs = bench_module("fullsize")
     gguf = demo_gguf("Q4_K_M")
     pk = tmp_path / "pack"
     pack(gguf, pk, progress=False)
     n = 300
     a = types.SimpleNamespace(model=str(gguf), no_repack=True, fill_context=n, prompt_tokens=1, decode_tokens=4,
-                              flash_attn=flash_attn)
+                              flash_attn=flash_attn, kv_dtype=kv_dtype)
     llama = fs.LlamaEngine(a)
     llama.fill(n)
     mem = llama_cpp.llama_get_memory(llama.llm._ctx.ctx)
     assert llama_cpp.llama_memory_seq_pos_max(mem, 0) == n - 1 and llama.llm.n_tokens == n
     m = types.SimpleNamespace(pack=str(pk), fill_context=n, prompt_tokens=1, decode_tokens=4, cache_percent=100,
                               budget_gib=None, prefill_chunk=128, prefetch="none", io_threads=2, policy="s3fifo",
-                              trace_out=None, route_trace=None, preload=False)
+                              trace_out=None, route_trace=None, preload=False, kv_dtype=kv_dtype)
     maw = fs.MawEngine(m)
     try:
         maw.fill(n)
@@ -59,5 +63,9 @@ def test_the_report_puts_each_context_beside_llama_cpp():
             for e, t in (("maw", 6.0), ("llama", 4.0), ("maw@8", 3.0), ("maw", 8.0))]
     rep = lc.report(rows)[4096]
     assert rep["maw"]["decode_tok_s"] == 7.0 and rep["maw_x_llama"] == 7.0 / 4.0
-    assert rep["maw@8_x_llama_resident"] == 0.75 and rep["maw"]["planned_F_gib"] == 2.0
+    assert rep["maw@8_x_llama"] == 0.75 and rep["maw"]["planned_F_gib"] == 2.0
     assert "planned_F_gib" not in rep["llama"]
+    q8 = lc.report(rows + [{"context": 4096, "engine": e, "status": "ok", "decode_tok_s": t, "peak_rss_bytes": 2 ** 30}
+                           for e, t in (("maw-q8", 9.0), ("llama-q8", 2.0), ("maw-q8@8", 4.5))])[4096]
+    assert q8["maw-q8_x_llama-q8"] == 4.5 and q8["maw-q8_x_maw"] == 9.0 / 7.0 and q8["maw-q8@8_x_maw@8"] == 1.5
+    assert q8["maw-q8@8_x_llama"] == 4.5 / 4.0
