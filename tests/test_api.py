@@ -176,6 +176,21 @@ def test_plan_without_loading_and_rejection(model, cache_dir):
         mawforge.load(pack, memory_budget_gib=0.01, context=512)
 
 
+def test_a_q8_0_kv_cache_through_the_api(model, cache_dir):
+    """kv_dtype="q8_0" plans and allocates ggml's 8-bit rows (34 bytes a 32 values, against 64 in
+    float16), and on the demo model greedy decoding gives the float16 cache's tokens; a dtype
+    there is none of is a one-line error before anything loads."""
+    pack = model.runtime.pack
+    f16 = mawforge.plan_for(pack, context=512, kv_dtype="float16")
+    with mawforge.load(pack, context=512, expert_cache_percent=50, kv_dtype="q8_0") as m:
+        assert m.plan.kv_dtype == "q8_0" and m.plan.K * 64 == f16.K * 34 == m.runtime.kv.nbytes * 64
+        got = [e.token for e in m.generate(PROMPT, max_tokens=12, ignore_eos=True)]
+    with mawforge.load(pack, context=512, expert_cache_percent=50, kv_dtype="float16") as m:
+        assert got == [e.token for e in m.generate(PROMPT, max_tokens=12, ignore_eos=True)]
+    with pytest.raises(FormatError, match="unknown KV cache dtype 'q4_0'; choose from float32, bfloat16, float16"):
+        mawforge.load(pack, context=512, kv_dtype="q4_0")
+
+
 def test_the_budget_is_bytes_with_its_source(model):
     """GiB given to the API become a Budget the plan names as the API's; a Budget passes through
     with its own source (how the commands hand over --memory-budget-gib)."""
