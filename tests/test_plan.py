@@ -146,3 +146,13 @@ def test_memory_held_beside_the_runtime_is_planned_in_o(packs):
     x, room = facts.expert_bytes // 4, Budget(base.C + base.K + base.O + facts.expert_bytes // 2, "test")
     fit, fit_more = (make_plan(facts, budget=room, context=512, extra_overhead_bytes=y) for y in (0, x))
     assert fit.E - fit_more.E == x and abs(fit_more.F - fit.F) <= 1
+
+
+def test_every_command_prints_its_help():
+    """`mawforge CMD --help` formats every flag's help (argparse expands % in help strings: a bare
+    percent sign in one crashed `plan`, `run` and `serve --help`), and names the KV dtypes."""
+    from mawforge.cli import COMMANDS
+    for cmd in COMMANDS:
+        r = run_cli(cmd, "--help")
+        assert r.returncode == 0 and r.stdout.startswith("usage: mawforge " + cmd), (cmd, r.stderr[-500:])
+    assert "{float32,bfloat16,float16,q8_0}" in run_cli("serve", "--help").stdout

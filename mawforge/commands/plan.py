@@ -25,7 +25,7 @@ def add_budget_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-cache-gib", type=float, default=None,
                    help="bytes of saved prompts whose prefix a later request reuses (0: off; default: auto, "
                         f"{PROMPT_CACHE_CONTEXTS} full contexts, under a budget at most "
-                        f"{PROMPT_CACHE_ROOM_SHARE:.0%} of the expert cache's room; off in `run`)")
+                        f"{PROMPT_CACHE_ROOM_SHARE:.0%}% of the expert cache's room; off in `run`)")
 
 
 def budget_from_args(a: argparse.Namespace) -> Budget | None:
