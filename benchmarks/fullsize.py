@@ -336,7 +336,11 @@ def work(a) -> dict:
     out["prefill_tok_s"] = len(prompt) / out["ttft_s"]
     out["context_at_decode"] = a.fill_context + len(prompt)
     out["prefill_read_bytes"], out["prefill_needed_bytes"] = eng.read_bytes() - read0, eng.needed_bytes()
+    import resource
+    faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     out.update(decode_loop(eng, first, rand_tokens(a.decode_tokens, 2), a.decode_tokens, a.warmup))
+    # page faults a decode token took (first touches of expert-cache slots and scratch, mostly)
+    out["minor_faults_per_token"] = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / a.decode_tokens
     out["teacher_forced"] = eng.report()
     greedy = {}
     for cls in [c for c in a.classes.split(",") if c]:

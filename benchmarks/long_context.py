@@ -53,7 +53,7 @@ def row(engine: str, gguf, pack, n: int, decode: int, warmup: int, limit: float 
         args += ["--pack", str(pack), "--cache-percent", "100", "--preload"]
     r = worker_row(FULLSIZE, args, int(limit * GiB) if limit else None, timeout=3600)
     keep = ("status", "load_s", "fill_s", "context_at_decode", "decode_tok_s", "read_bytes_per_token",
-            "peak_rss_bytes", "stderr_tail")
+            "minor_faults_per_token", "peak_rss_bytes", "stderr_tail")
     out = {k: r.get(k) for k in keep if k in r}
     tf = r.get("teacher_forced") or {}
     if tf.get("planned_F"):
@@ -109,8 +109,9 @@ def main() -> None:
            "rows": []}
     for rnd in range(a.rounds):
         for n in [int(x) for x in a.contexts.split(",")]:
-            order = engines if rnd % 2 == 0 else engines[::-1]
-            for engine in order + [f"{e}@{lim:g}" for lim in limits for e in a.limit_engines.split(",") if e]:
+            limited = [f"{e}@{lim:g}" for lim in limits for e in a.limit_engines.split(",") if e]
+            order = engines + limited if rnd % 2 == 0 else engines[::-1] + limited[::-1]
+            for engine in order:
                 eng, _, lim = engine.partition("@")
                 r = row(eng, gguf, pack, n, a.decode_tokens, a.warmup, float(lim) if lim else None)
                 r.update(engine=engine, context=n, round=rnd)
