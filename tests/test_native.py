@@ -247,6 +247,25 @@ def _attention_reference(q, keys, vals, scale):
     return torch.einsum("tgjs,gsd->tgjd", p, vals.double()).reshape(T, H * D)
 
 
+def _rows_are_decode_steps(q, keys, vals, scale, tokens) -> torch.Tensor:
+    """attend_rows at 1 and 2 threads: the same bits, and each of `tokens`' rows the bits attend_one
+    (the decode step) gives at its position; returns the rows."""
+    T, S = q.shape[0], keys.shape[1]
+    try:
+        outs = []
+        for threads in (1, 2):
+            native.set_thread_limit(threads)
+            rows = native.attend_rows(q, keys, vals, scale)
+            for t in tokens:
+                one = native.attend_one(q[t:t + 1], keys[:, :S - T + t + 1], vals[:, :S - T + t + 1], scale)
+                assert torch.equal(rows[t:t + 1], one), (threads, t)
+            outs.append(rows)
+        assert torch.equal(outs[0], outs[1])
+    finally:
+        native.set_thread_limit(None)
+    return rows
+
+
 @pytest.mark.parametrize("dt", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("H,G,D", [(8, 2, 64), (6, 3, 40), (12, 4, 128), (4, 4, 16)])
 def test_prefill_attention_rows_are_the_decode_steps_bits(dt, H, G, D):
@@ -260,18 +279,7 @@ def test_prefill_attention_rows_are_the_decode_steps_bits(dt, H, G, D):
     keys = torch.randn(G, 160, D, generator=g).to(getattr(torch, dt))[:, :S]      # a view of a longer cache
     vals = torch.randn(G, 160, D, generator=g).to(getattr(torch, dt))[:, :S]
     q = torch.randn(T, H, D, generator=g) * 2
-    try:
-        outs = []
-        for threads in (1, 2):
-            native.set_thread_limit(threads)
-            rows = native.attend_rows(q, keys, vals, D ** -0.5)
-            for t in (0, 1, 5, 18, 36):
-                one = native.attend_one(q[t:t + 1], keys[:, :S - T + t + 1], vals[:, :S - T + t + 1], D ** -0.5)
-                assert torch.equal(rows[t:t + 1], one), (threads, t)
-            outs.append(rows)
-        assert torch.equal(outs[0], outs[1])
-    finally:
-        native.set_thread_limit(None)
+    rows = _rows_are_decode_steps(q, keys, vals, D ** -0.5, (0, 1, 5, 18, 36))
     ref = _attention_reference(q, keys, vals, D ** -0.5)
     assert rows.shape == (T, H * D)
     # a probability's float32 value may differ from torch's in its last bit (another exp), which
@@ -327,18 +335,7 @@ def test_q8_0_attention_is_ggml_flash_attention(H, G, D, S, T):
     assert native.attend_takes(q, keys, vals)
     ref = torch.from_numpy(ggml_flash_attention_q8_0(q.numpy(), keys.contiguous().numpy(), vals.contiguous().numpy(),
                                                      D ** -0.5))
-    try:
-        outs = []
-        for threads in (1, 2):
-            native.set_thread_limit(threads)
-            rows = native.attend_rows(q, keys, vals, D ** -0.5)
-            for t in sorted({0, T // 2, T - 1}):
-                one = native.attend_one(q[t:t + 1], keys[:, :S - T + t + 1], vals[:, :S - T + t + 1], D ** -0.5)
-                assert torch.equal(rows[t:t + 1], one), (threads, t)
-            outs.append(rows)
-        assert torch.equal(outs[0], outs[1])
-    finally:
-        native.set_thread_limit(None)
+    rows = _rows_are_decode_steps(q, keys, vals, D ** -0.5, sorted({0, T // 2, T - 1}))
     assert ref.shape == rows.shape == (T, H * D) and ref.abs().sum() > 0
     torch.testing.assert_close(rows, ref, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(base.attend(q, keys, vals, D ** -0.5, window=10_000), rows, rtol=1e-4, atol=1e-5)
