@@ -69,6 +69,6 @@ class GptOss(MoETransformer):
         scores = scores.masked_fill(mask, float("-inf"))
         sink = lw["attn_sinks.weight"].view(G, H // G, 1, 1).expand(G, H // G, T, 1)
         probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :S]  # [G, H/G, T, S]
-        out = torch.bmm(probs.reshape(G, H // G * T, S), q8_0.rows_float(vals))             # [G, H/G*T, D]
+        out = torch.bmm(probs.reshape(G, H // G * T, S), q8_0.rows_float(vals))   # [G, H/G*T, D]
         out = out.view(G, H // G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)
         return lw.proj("attn_output.weight", out)

@@ -48,6 +48,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
+from mawforge.byte_rules import Q8_0_BLOCK, Q8_0_BYTES
+
 # every source compiled into the one library (the cache key covers all of them)
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("kquant_gemm.c", "decode_step.c"))
 # MAWFORGE_NATIVE_MARCH=x86-64 builds the portable scalar path (tests compare the two)
@@ -331,12 +333,12 @@ def _kv_strides(t: torch.Tensor) -> int | None:
 
 def row_width(dtype: torch.dtype, d: int) -> int:
     """Elements of a cached row of d values: q8_0 rows (uint8) are d / 32 blocks of 34 bytes."""
-    return d // 32 * 34 if dtype == torch.uint8 else d
+    return d // Q8_0_BLOCK * Q8_0_BYTES if dtype == torch.uint8 else d
 
 
 def _group_stride(t: torch.Tensor) -> int:
     """A cache view's group stride in values (decode_step.c's sg), from its stride in elements."""
-    return t.stride(0) // 34 * 32 if t.dtype == torch.uint8 else t.stride(0)
+    return t.stride(0) // Q8_0_BYTES * Q8_0_BLOCK if t.dtype == torch.uint8 else t.stride(0)
 
 
 def attend_takes(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> bool:
@@ -346,7 +348,7 @@ def attend_takes(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> boo
     if not (available() and q.device.type == "cpu" and q.dtype == torch.float32 and q.dim() == 3
             and keys.dtype in KV_DTYPES and vals.dtype == keys.dtype and keys.device.type == "cpu"
             and vals.device.type == "cpu" and keys.shape == vals.shape and keys.dim() == 3
-            and q.shape[1] % keys.shape[0] == 0 and (keys.dtype != torch.uint8 or q.shape[2] % 32 == 0)
+            and q.shape[1] % keys.shape[0] == 0 and (keys.dtype != torch.uint8 or q.shape[2] % Q8_0_BLOCK == 0)
             and row_width(keys.dtype, q.shape[2]) == keys.shape[2] and 0 < q.shape[0] <= keys.shape[1]):
         return False
     sg = _kv_strides(keys)
