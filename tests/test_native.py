@@ -289,10 +289,10 @@ def test_prefill_attention_rows_are_the_decode_steps_bits(dt, H, G, D):
 
 
 def test_q8_0_rows_are_the_bytes_ggml_writes():
-    """A q8_0 KV row (kernels/q8_0.quantize, the torch path a prompt's rows take, and decode_step.c's
-    kv_put, the decode step's) is the bytes ggml's CPU quantize_row_q8_0 writes (what llama.cpp's
-    cache holds with --cache-type-k/v q8_0), ties to even, all-zero blocks and 127 x d included; and
-    dequantize is gguf-py's reading of those bytes."""
+    """A q8_0 row (kernels/q8_0.quantize) is the bytes ggml's CPU quantize_row_q8_0 writes (what
+    llama.cpp's cache holds with --cache-type-k/v q8_0), ties to even, all-zero blocks and 127 x d
+    included; decode_step.c's kv_put (the decode step's write) gives the bytes the torch path (a
+    prompt's chunks) gives for the rotated key and value; dequantize is gguf-py's reading."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
     from mawforge.fixtures.ggml_ref import ggml_quantize_q8_0
@@ -301,6 +301,10 @@ def test_q8_0_rows_are_the_bytes_ggml_writes():
     x[1] = 0                                              # amax 0: d 0, q 0
     x[2, :32] = torch.arange(32) - 12.7                   # x * 127 / amax lands on .5 (ties to even)
     x[3, 64:96] = 1e-30                                    # tiny d (a float16 subnormal or 0)
+    # a rotated query row whose block 0 has x * (127 / amax) = -87.5 exactly when 127 / amax is one
+    # division (torch's 127.0 / tensor is reciprocal() times 127: -87.49999, and -87 instead of -88)
+    q = torch.randn(37, 32, 128, generator=torch.Generator().manual_seed(187)) * 2
+    x[4] = q8_0.rot_k(q[36, 23].view(1, 128))[0]
     ref = ggml_quantize_q8_0(x.numpy())
     rows = q8_0.quantize(x)
     assert rows.dtype == torch.uint8 and rows.shape == (96, 136)
@@ -311,7 +315,8 @@ def test_q8_0_rows_are_the_bytes_ggml_writes():
         k, v = x[2 * pos:2 * pos + 2].contiguous(), x[(2 * pos + 7) % 96].repeat(2, 1).contiguous()
         lib.kv_put(k.data_ptr(), v.data_ptr(), kc.data_ptr(), vc.data_ptr(), native.KV_DTYPES[torch.uint8], 2, 128,
                    48 * 128, pos)
-        assert torch.equal(kc[:, pos], rows[2 * pos:2 * pos + 2]) and torch.equal(vc[:, pos], q8_0.quantize(v))
+        assert torch.equal(kc[:, pos], q8_0.quantize(q8_0.rot_k(k)))
+        assert torch.equal(vc[:, pos], q8_0.quantize(q8_0.rot_v(v)))
     back = dequantize(ref, GGMLQuantizationType.Q8_0)
     assert np.array_equal(q8_0.dequantize(rows).numpy(), back)
     blocks = x.numpy().reshape(96, 4, 32)      # within half a step plus d's float16 rounding (127 x 2^-11 d)
@@ -319,13 +324,41 @@ def test_q8_0_rows_are_the_bytes_ggml_writes():
     assert (np.abs(back.reshape(96, 4, 32) - blocks) <= step * (0.5 + 127 * 2.0 ** -11) + 1e-30).all()
 
 
-@pytest.mark.parametrize("H,G,D,S,T", [(32, 4, 128, 150, 37), (8, 2, 64, 70, 1), (32, 4, 128, 600, 64)])
+def _sylvester(n: int) -> np.ndarray:
+    """llama.cpp's rotation matrix (llama-kv-cache.cpp ggml_gen_hadamard): Sylvester's H_n / sqrt(n)."""
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(n)
+
+
+@pytest.mark.parametrize("D", [64, 128, 192, 96])
+def test_q8_0_rotation_is_llama_cpps_hadamard(D):
+    """kernels/q8_0.rot_k / rot_v are llama.cpp's rotations of a quantized cache: keys and queries by
+    H_nk in blocks (nk the largest power of two >= 64 dividing D), values and the output by H_64, none
+    where D is no multiple of 64; each its own inverse."""
+    x = torch.randn(5, D, generator=torch.Generator().manual_seed(D), dtype=torch.float32)
+    nk = q8_0.rot_k_block(D)
+    assert nk == {64: 64, 128: 128, 192: 64, 96: 0}[D]
+    for got, n in ((q8_0.rot_k(x), nk), (q8_0.rot_v(x), 64 if D % 64 == 0 else 0)):
+        want = x.double().numpy()
+        if n:
+            want = (want.reshape(5, D // n, n) @ _sylvester(n)).reshape(5, D)
+        np.testing.assert_allclose(got.double().numpy(), want, rtol=0, atol=1e-6)
+    if nk:
+        torch.testing.assert_close(q8_0.rot_k(q8_0.rot_k(x)), x, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("H,G,D,S,T", [(32, 4, 128, 150, 37), (8, 2, 64, 70, 1), (32, 4, 128, 600, 64),
+                                       (6, 3, 96, 80, 9)])
 def test_q8_0_attention_is_ggml_flash_attention(H, G, D, S, T):
-    """The oracle for a q8_0 cache: ggml's flash attention over the same q8_0 bytes (llama.cpp's CPU
-    attention with --cache-type-k/v q8_0: Q through q8_0 for the q8_0 x q8_0 dot, V dequantized,
-    softmax in float32) gives what attend_rows gives, to float32 order; every token's row is the
-    bits attend_one gives at its position (1 and 2 threads); and the torch path (models/base.attend
-    with a window past S) agrees."""
+    """The oracle for a q8_0 cache, as llama.cpp's graph computes it: q rotated (where D % 64 == 0;
+    by rot_k, which the test above holds to the Sylvester matrix: rotated apart, a last-bit difference
+    in q flips its 8-bit rounding now and then), ggml's flash attention over the same q8_0 bytes (Q
+    through q8_0 for the q8_0 x q8_0 dot, V dequantized, softmax in float32), the output rotated back
+    by the Sylvester matrix; attend_rows gives that to float32 order, every token's row the bits
+    attend_one gives at its position (1 and 2 threads), and the torch path (models/base.attend with a
+    window past S) agrees. Without the rotation (KV_Q8_0_PLAIN) it is flash attention alone."""
     from mawforge.fixtures.ggml_ref import ggml_flash_attention_q8_0
     from mawforge.models import base
     g = torch.Generator().manual_seed(S + T)
@@ -333,12 +366,20 @@ def test_q8_0_attention_is_ggml_flash_attention(H, G, D, S, T):
     keys = q8_0.quantize(torch.randn(G, S + 9, D, generator=g))[:, :S]        # a view of a longer cache
     vals = q8_0.quantize(torch.randn(G, S + 9, D, generator=g))[:, :S]
     assert native.attend_takes(q, keys, vals)
-    ref = torch.from_numpy(ggml_flash_attention_q8_0(q.numpy(), keys.contiguous().numpy(), vals.contiguous().numpy(),
-                                                     D ** -0.5))
+    nv = 64 if D % 64 == 0 else 0
+    fa = ggml_flash_attention_q8_0(q8_0.rot_k(q).numpy(), keys.contiguous().numpy(), vals.contiguous().numpy(),
+                                   D ** -0.5).reshape(T, H, D).astype(np.float64)
+    ref = torch.from_numpy((fa.reshape(T, H, D // nv, nv) @ _sylvester(nv)).reshape(T, H * D) if nv else fa)
+    ref = ref.reshape(T, H * D).float()
     rows = _rows_are_decode_steps(q, keys, vals, D ** -0.5, sorted({0, T // 2, T - 1}))
     assert ref.shape == rows.shape == (T, H * D) and ref.abs().sum() > 0
     torch.testing.assert_close(rows, ref, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(base.attend(q, keys, vals, D ** -0.5, window=10_000), rows, rtol=1e-4, atol=1e-5)
+    plain = native.attend_rows(q, keys, vals, D ** -0.5, rotated=False)
+    ref_plain = ggml_flash_attention_q8_0(q.numpy(), keys.contiguous().numpy(), vals.contiguous().numpy(), D ** -0.5)
+    torch.testing.assert_close(plain, torch.from_numpy(ref_plain), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(base.attend(q, keys, vals, D ** -0.5, window=10_000, rotated=False), plain,
+                               rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("H,G,D,S,T", [(32, 4, 128, 150, 37), (32, 4, 128, 600, 64), (8, 2, 64, 70, 1),

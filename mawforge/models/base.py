@@ -109,33 +109,36 @@ ATTN_SCORES_BYTES = 64 << 20
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float,
-           window: int | None = None) -> torch.Tensor:
+           window: int | None = None, rotated: bool = True) -> torch.Tensor:
     """Causal GQA over cached keys. q [T, H, D], keys/vals [G, S, D] (the last T are the chunk's
     own) -> [T, H*D]. window: a query sees only the last `window` positions (itself included).
 
     With a float16/bfloat16 cache this computes as llama.cpp's CPU attention does: q rounded to
     the cache dtype, q.k and p.v accumulated in float32, softmax in float32, the probabilities
     rounded to the cache dtype before p.v (ggml's mul_mat converts src1 to the f16 vec_dot type).
-    With a q8_0 cache (uint8 rows, kernels/q8_0.py) as ggml's flash attention over one: q through
-    q8_0 (K's vec-dot type), the cache rows dequantized, the probabilities kept in float32.
+    With a q8_0 cache (uint8 rows, kernels/q8_0.py) as llama.cpp's flash attention over one: q rotated
+    as the cached keys and through q8_0 (K's vec-dot type), the rows dequantized, the probabilities
+    kept in float32, the output rotated back from the values' basis (rotated: the cache's
+    KVCache.rotated; without it no rotation).
     On the CPU (no window) one native call computes it (kernels/native attend_rows: the same steps,
     summed in its own fixed order, every token's row alone), so a prefill row is the bits of the
     decode step at its position, the call a fused decode layer makes (models/fastpath.py), and no
     [chunk, S] score matrix or float32 copy of the cache is made."""
     T, H, D = q.shape
     if window is None and native.attend_takes(q, keys, vals):
-        return native.attend_rows(q, keys, vals, scale)    # the same arithmetic in one call, as a decode layer's
+        return native.attend_rows(q, keys, vals, scale, rotated)   # one call, as a decode layer's
     G, S = keys.shape[0], keys.shape[1]
     step = max(1, ATTN_SCORES_BYTES // (8 * H * S))
     if T > step:        # scores and probabilities [H, T, S] float32 within ATTN_SCORES_BYTES (plan.py counts it)
         return torch.cat([attend(q[a:a + step], keys[:, :S - T + min(a + step, T)], vals[:, :S - T + min(a + step, T)],
-                                 scale, window) for a in range(0, T, step)])
+                                 scale, window, rotated) for a in range(0, T, step)])
     quant = keys.dtype == torch.uint8       # q8_0 rows: q through q8_0, probabilities float32 (ggml's flash attention)
     low = keys.dtype != torch.float32 and not quant
+    rot = quant and rotated
     # [G, H/G*T, D]; one token is that layout already (the permute and copy would be no-ops)
     qg = q.view(G, H // G, D) if T == 1 else q.view(T, G, H // G, D).permute(1, 2, 0, 3).reshape(G, H // G * T, D)
     if quant:
-        qg = q8_0.round_trip(qg)
+        qg = q8_0.round_trip(q8_0.rot_k(qg) if rot else qg)
     elif low:
         qg = qg.to(keys.dtype)
     scores = torch.bmm(qg.float(), q8_0.rows_float(keys).transpose(1, 2)).mul_(scale)   # [G, H/G*T, S]
@@ -150,6 +153,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float
     if low:
         probs = probs.to(vals.dtype)
     out = torch.bmm(probs.float(), q8_0.rows_float(vals))                        # [G, H/G*T, D]
+    if rot:
+        out = q8_0.rot_v(out)
     if T == 1:
         return out.view(1, H * D)
     return out.view(G, H // G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)
@@ -307,7 +312,7 @@ class MoETransformer:
             k = self.rope(k.view(T, G, D), pos)
             v = v.view(T, G, D)
         keys, vals = kv.append(layer, k, v)                                        # [G, S, D]
-        out = attend(q, keys, vals, self.scale)                                    # [T, H*D]
+        out = attend(q, keys, vals, self.scale, rotated=kv.rotated)                # [T, H*D]
         return self.proj(p + "attn_output.weight", out)
 
     def ffn(self, layer: int, x: torch.Tensor, routed: tuple | None = None) -> torch.Tensor:

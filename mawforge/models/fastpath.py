@@ -189,7 +189,7 @@ class DecodeAttention:
                 self._kv = None
                 return False
             args.kc, args.vc, args.kv_stride, args.kv_dtype = (k.data_ptr(), v.data_ptr(), kv.context * d,
-                                                               native.KV_DTYPES[k.dtype])
+                                                               native.kv_code(k.dtype, kv.rotated))
         self._kv, self._kv_tensors = kv, (list(ks[:len(self.whole)]), list(vs[:len(self.whole)]))
         return True
 

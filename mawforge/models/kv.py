@@ -52,6 +52,9 @@ class KVCache:
         self.context = context
         self.kv_dtype, store = kv_storage(dtype)
         self.quant = self.kv_dtype == "q8_0"
+        # q8_0 rows of keys and values rotated as llama.cpp rotates them (kernels/q8_0.py): where the
+        # model's head dim is a multiple of 64 (llama.cpp decides by it; each layer whose dim is)
+        self.rotated = self.quant and head_dim % 64 == 0
         layout = layout or [{"kind": "kv", "kv_heads": n_kv_heads, "head_dim": head_dim}] * n_layers
         self.k: list[torch.Tensor | None] = []
         self.v: list[torch.Tensor | None] = []
@@ -93,26 +96,28 @@ class KVCache:
         if self.pos + n > self.context:
             raise ContextLengthError(f"{self.pos + n} tokens exceed the context of {self.context}")
 
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        """float rows [..., D] as this cache stores them (q8_0 blocks; else copy_ converts as .to() does)"""
-        return q8_0.quantize(x) if self.quant else x
-
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [T, G, D] at the uncommitted positions; return the layer's [G, S, D] views
-        (a q8_0 cache's stored rows: kernels/q8_0.rows_float gives their values)."""
+        """Write k, v [T, G, D] at the uncommitted positions; return the layer's [G, S, D] views (a
+        q8_0 cache's rows are of the rotated k and v, kernels/q8_0.py: rows_float gives their values
+        in that basis, models/base.attend rotates q and the output to match)."""
         T = k.shape[0]
         end = self.pos + T
         kc, vc = self.k[layer], self.v[layer]
-        kc[:, self.pos:end].copy_(self._rows(k.transpose(0, 1)))
-        vc[:, self.pos:end].copy_(self._rows(v.transpose(0, 1)))
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        if self.rotated:
+            k, v = q8_0.rot_k(k), q8_0.rot_v(v)
+        if self.quant:
+            k, v = q8_0.quantize(k), q8_0.quantize(v)
+        kc[:, self.pos:end].copy_(k)      # copy_ converts as .to() does, in place
+        vc[:, self.pos:end].copy_(v)
         return kc[:, :end], vc[:, :end]
 
     def append_latent(self, layer: int, c: torch.Tensor) -> torch.Tensor:
-        """MLA: write latent rows c [T, R] at the uncommitted positions; return the layer's [S, R]
-        stored rows."""
+        """MLA: write latent rows c [T, R] at the uncommitted positions (q8_0: not rotated); return
+        the layer's [S, R] stored rows."""
         end = self.pos + c.shape[0]
         kc = self.k[layer]
-        kc[self.pos:end].copy_(self._rows(c))
+        kc[self.pos:end].copy_(q8_0.quantize(c) if self.quant else c)
         return kc[:end]
 
     def layer_state(self, layer: int) -> list[torch.Tensor]:

@@ -51,7 +51,7 @@ class Gemma4(MoETransformer):
         q = rope_rotate(self.layer_norm(layer, q, "attn_q_norm.weight"), pos, inv)
         k = rope_rotate(self.layer_norm(layer, k, "attn_k_norm.weight"), pos, inv)
         keys, vals = kv.append(layer, k, _unit_rms(v, self.cfg.norm_eps))           # [G, S, D]
-        out = attend(q, keys, vals, 1.0, None if full else self.window)             # [T, H*D]
+        out = attend(q, keys, vals, 1.0, None if full else self.window, kv.rotated)   # [T, H*D]
         return linear(out, lw["attn_output.weight"]).float()
 
     def route(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

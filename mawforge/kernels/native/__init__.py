@@ -355,22 +355,31 @@ def attend_takes(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> boo
     return sg is not None and _kv_strides(vals) == sg
 
 
-def attend_one(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float) -> torch.Tensor:
+def kv_code(dtype: torch.dtype, rotated: bool = True) -> int:
+    """decode_step.c's KV_* code of a cache dtype; uint8 (q8_0) rows are KV_Q8_0, of keys and values
+    rotated as llama.cpp rotates them (kernels/q8_0.py), or KV_Q8_0_PLAIN with rotated=False."""
+    return 4 if dtype == torch.uint8 and not rotated else KV_DTYPES[dtype]
+
+
+def attend_one(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float,
+               rotated: bool = True) -> torch.Tensor:
     """One token's GQA over keys/vals [G, S, D] (as attend_takes allows) -> [1, H*D] float32."""
-    return attend_rows(q, keys, vals, scale)
+    return attend_rows(q, keys, vals, scale, rotated)
 
 
-def attend_rows(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float) -> torch.Tensor:
+def attend_rows(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float,
+                rotated: bool = True) -> torch.Tensor:
     """Causal GQA of T query tokens q [T, H, D] at the last T of the S positions of keys/vals
     [G, S, D] (as attend_takes allows) -> [T, H*D] float32; each token's row is the bits
-    attend_one gives at its position (decode_step.c attend_block)."""
+    attend_one gives at its position (decode_step.c attend_block). rotated: a q8_0 cache's rows
+    are of rotated keys and values (kv_code)."""
     lib = library()
     _sync_threads(lib)
     t, h, d = q.shape
     g, s, _ = keys.shape
     qf = q.contiguous()
     out = torch.empty(t, h * d, dtype=torch.float32)
-    code, sg = KV_DTYPES[keys.dtype], _group_stride(keys)
+    code, sg = kv_code(keys.dtype, rotated), _group_stride(keys)
     if t == 1:
         rc = lib.attend_one(qf.data_ptr(), keys.data_ptr(), vals.data_ptr(), code, sg, s, h, g, d, scale,
                             out.data_ptr())

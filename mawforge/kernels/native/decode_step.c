@@ -60,13 +60,16 @@ int attn_qkv(const float *x, int C, const uint8_t *wq, int tq, const uint8_t *wk
 int omp_team(void);     /* kquant_gemm.c: the kernels' team size */
 
 /* KV_Q8_0: ggml's block_q8_0 rows (per 32 values a float16 scale d, then 32 int8 q; x = d * q),
-   D % 32 == 0; offsets into a cache stay in values (at), a row's bytes are D / 32 * 34 */
-enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_Q8_0 = 3 };
+   D % 32 == 0, of keys and values rotated as llama.cpp rotates them (rot_k_block below); KV_Q8_0_PLAIN
+   the same blocks unrotated (a model whose base head dim is no multiple of 64: llama.cpp rotates none
+   of its layers). Offsets into a cache stay in values (at), a row's bytes are D / 32 * 34. */
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_Q8_0 = 3, KV_Q8_0_PLAIN = 4 };
+static inline int is_q8(int dtype) { return dtype == KV_Q8_0 || dtype == KV_Q8_0_PLAIN; }
 enum { Q8_BLOCK = 32, Q8_BYTES = 34 };
 
 /* the bytes before value `at` of a cache of `dtype` (at a multiple of 32 for q8_0) */
 static inline long kv_bytes_at(int dtype, long at) {
-    return dtype == KV_Q8_0 ? at / Q8_BLOCK * Q8_BYTES : at * (dtype == KV_F32 ? 4 : 2);
+    return is_q8(dtype) ? at / Q8_BLOCK * Q8_BYTES : at * (dtype == KV_F32 ? 4 : 2);
 }
 
 /* 32 values -> one q8_0 block as ggml's x86 CPU quantize_row_q8_0 writes it (what llama.cpp's KV
@@ -111,6 +114,39 @@ static inline float bf16_value(uint16_t b) {
     return f;
 }
 
+/* The Walsh-Hadamard rotation llama.cpp applies with a quantized cache (llama-kv-cache.cpp attn_rot_k/v,
+   where the head dim is a multiple of 64): keys and queries by H_nk (nk the largest power of two >= 64
+   dividing D), values by H_64, and the attention's output by H_64 again (H is symmetric and H H = I), so
+   q.k and the output are unchanged while an outlier's weight spreads over its block before 8-bit
+   rounding. 0: no rotation. */
+static inline int rot_k_block(int D) {
+    if (D % 64) return 0;
+    int n = 64;
+    while (D % (2 * n) == 0) n *= 2;
+    return n;
+}
+static inline int rot_v_block(int D) { return D % 64 ? 0 : 64; }
+
+/* x [n] -> H_n x in place (n a power of two): butterflies (a + b, a - b) at strides 1, 2, 4, ..., then
+   times 1/sqrt(n) in float32 (kernels/q8_0.py's hadamard: the same operations, the same bits) */
+static void fwht(float *x, int n) {
+    for (int h = 1; h < n; h *= 2)
+        for (int i = 0; i < n; i += 2 * h)
+            for (int j = i; j < i + h; j++) {
+                const float a = x[j], b = x[j + h];
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+    const float s = (float)(1.0 / sqrt((double)n));
+    for (int j = 0; j < n; j++) x[j] = x[j] * s;
+}
+/* rows of D values, each rotated in blocks of blk (nothing for blk 0) */
+static void rotate_rows(float *x, long rows, int D, int blk) {
+    if (!blk) return;
+    for (long r = 0; r < rows; r++)
+        for (int b = 0; b < D; b += blk) fwht(x + r * D + b, blk);
+}
+
 /* row of D cache values (f32, f16 or bf16) -> float32. f16 is an IEEE conversion either way:
    AVX-512 16 at a time or F16C 8 at a time where -march has them (GCC 12 does not vectorize
    _Float16 casts), the compiler's _Float16 cast (libgcc) otherwise. */
@@ -126,7 +162,7 @@ static inline void row_load(const void *base, int dtype, long at, int D, float *
         for (; d + 8 <= D; d += 8) _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + d))));
 #endif
         for (; d < D; d++) dst[d] = (float)p[d];
-    } else if (dtype == KV_Q8_0) {
+    } else if (is_q8(dtype)) {
         const uint8_t *p = (const uint8_t *)base + kv_bytes_at(dtype, at);
         for (int b = 0; b < D / Q8_BLOCK; b++) q8_block_get(p + b * Q8_BYTES, dst + b * Q8_BLOCK);
     } else { const uint16_t *p = (const uint16_t *)base + at; for (int d = 0; d < D; d++) dst[d] = bf16_value(p[d]); }
@@ -142,7 +178,7 @@ static inline void row_store(void *base, int dtype, long at, int D, const float 
             _mm_storeu_si128((__m128i *)(p + d), _mm256_cvtps_ph(_mm256_loadu_ps(src + d), _MM_FROUND_TO_NEAREST_INT));
 #endif
         for (; d < D; d++) p[d] = (_Float16)src[d];
-    } else if (dtype == KV_Q8_0) {
+    } else if (is_q8(dtype)) {
         uint8_t *p = (uint8_t *)base + kv_bytes_at(dtype, at);
         for (int b = 0; b < D / Q8_BLOCK; b++) q8_block_put(src + b * Q8_BLOCK, p + b * Q8_BYTES);
     } else { uint16_t *p = (uint16_t *)base + at; for (int d = 0; d < D; d++) p[d] = bf16_bits(src[d]); }
@@ -159,7 +195,7 @@ static inline void round_row(int dtype, float *x, int n) {
         for (; i < n; i++) x[i] = (float)(_Float16)x[i];
     } else if (dtype == KV_BF16)
         for (; i < n; i++) x[i] = bf16_value(bf16_bits(x[i]));
-    else if (dtype == KV_Q8_0)       /* through q8_0 and back, by blocks of 32 (n a multiple of 32) */
+    else if (is_q8(dtype))           /* through q8_0 and back, by blocks of 32 (n a multiple of 32) */
         for (; i + Q8_BLOCK <= n; i += Q8_BLOCK) {
             uint8_t blk[Q8_BYTES];
             q8_block_put(x + i, blk);
@@ -227,11 +263,21 @@ static float *attn_scratch(size_t n) {
     return g_attn;
 }
 
-/* k, v [G*D] float32 -> the cache at position pos; kc/vc [G, ctx, D] of `dtype`, sg = ctx * D. */
+/* k, v [G*D] float32 -> the cache at position pos; kc/vc [G, ctx, D] of `dtype`, sg = ctx * D values.
+   q8_0 rows are of the rotated k and v (rot_k_block, rot_v_block). */
 void kv_put(const float *k, const float *v, void *kc, void *vc, int dtype, int G, int D, long sg, int pos) {
+    float kr[dtype == KV_Q8_0 ? D : 1], vr[dtype == KV_Q8_0 ? D : 1];
     for (int g = 0; g < G; g++) {
-        row_store(kc, dtype, g * sg + (long)pos * D, D, k + (long)g * D);
-        row_store(vc, dtype, g * sg + (long)pos * D, D, v + (long)g * D);
+        const float *kg = k + (long)g * D, *vg = v + (long)g * D;
+        if (dtype == KV_Q8_0) {
+            memcpy(kr, kg, sizeof(float) * D);
+            memcpy(vr, vg, sizeof(float) * D);
+            rotate_rows(kr, 1, D, rot_k_block(D));
+            rotate_rows(vr, 1, D, rot_v_block(D));
+            kg = kr, vg = vr;
+        }
+        row_store(kc, dtype, g * sg + (long)pos * D, D, kg);
+        row_store(vc, dtype, g * sg + (long)pos * D, D, vg);
     }
 }
 
@@ -324,7 +370,7 @@ static void softmax_row(float *p, int S, int dtype) {
         memcpy(p + s, &q, sizeof q);
     }
     for (; s < S; s++) p[s] = p[s] / sum;
-    if (dtype != KV_Q8_0) round_row(dtype, p, S);   /* q8_0: float32, as ggml's flash attention keeps them */
+    if (!is_q8(dtype)) round_row(dtype, p, S);   /* q8_0: float32, as ggml's flash attention keeps them */
 }
 
 /* cache rows converted to float32 at a time: 32 x D floats (16 KiB at D 128) leave L1 room for the rows
@@ -431,8 +477,9 @@ static void pv_rows(const float *p, long ps, int rows, const float *tile, int n,
 }
 
 /* B query tokens' hg rows of one kv group against that group's cache, as models/base.attend
-   computes each token: q rounded to the cache dtype, scores q.k in float32 times scale, softmax
-   in float32 (max subtracted), the probabilities rounded to the cache dtype, p.v in float32.
+   computes each token: q rounded to the cache dtype (q8_0: rotated as the keys, then through q8_0),
+   scores q.k in float32 times scale, softmax in float32 (max subtracted), the probabilities rounded
+   to a float cache's dtype, p.v in float32 (q8_0: rotated back).
    Token b's rows are q + b * qs (hg * D floats); it sees positions 0..span[b] - 1 of the group's
    rows kc/vc + at ([S, D], S the largest span); its output goes to out + b * os. Every row is
    computed alone in one fixed order (dot16's for a score, softmax_row's, then the sum over
@@ -446,6 +493,7 @@ static void attend_block(const float *q, long qs, int B, const int *span, const 
     const long Sp = (long)up16(S);     /* score rows' stride */
     float *qr = buf, *sc = qr + up16((size_t)B * R), *tile = sc + (size_t)B * hg * Sp;
     for (int b = 0; b < B; b++) memcpy(qr + (long)b * R, q + b * qs, sizeof(float) * R);
+    if (dtype == KV_Q8_0) rotate_rows(qr, (long)B * hg, D, rot_k_block(D));    /* as the cached keys */
     round_row(dtype, qr, B * R);
     for (int s0 = 0; s0 < S; s0 += ATT_TILE) {
         const int n = S - s0 < ATT_TILE ? S - s0 : ATT_TILE;
@@ -475,6 +523,8 @@ static void attend_block(const float *q, long qs, int B, const int *span, const 
             if (nb > 0) pv_rows(sc + (long)b * hg * Sp + s0, Sp, hg, tile, nb, D, out + b * os);
         }
     }
+    if (dtype == KV_Q8_0)           /* the output back from the values' rotation */
+        for (int b = 0; b < B; b++) rotate_rows(out + b * os, hg, D, rot_v_block(D));
 }
 
 /* One query token's grouped-query attention over S cached positions: q [H*D]; kc/vc [G, ctx, D]
