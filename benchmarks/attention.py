@@ -11,8 +11,8 @@ against each other (float16 probabilities: within 1e-4 + a float16 ulp) before t
 repeats, ms; GMAC/s counts q.k and p.v over the positions each query sees. One layer's cache is
 timed again and again, so at 4K it stays in L3; a decode step meets --decode-layers caches in
 turn, each from memory: for T = 1 the last columns time attend_one over that many distinct caches
-(MawForge only: ms a token, and GB/s of cache read). Run on purpose, on a quiet machine, never
-from the tests:
+(MawForge only: ms a token, and GB/s of cache read), float16 and then q8_0 (`--kv-dtype q8_0`).
+Run on purpose, on a quiet machine, never from the tests:
 
     .venv/bin/python benchmarks/attention.py [--threads 2] [--rows 512x512,2048x512,3250x250,8192x256,4096x1,32768x1]
                                              [--decode-layers 48]
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import machine, save  # noqa: E402
 
 from mawforge.fixtures.ggml_ref import ggml_attention  # noqa: E402
-from mawforge.kernels import native  # noqa: E402
+from mawforge.kernels import native, q8_0  # noqa: E402
 
 
 def fastest_ms(fn, min_s: float = 0.5) -> float:
@@ -47,11 +47,14 @@ def fastest_ms(fn, min_s: float = 0.5) -> float:
     return best * 1e3
 
 
-def layers_ms(q, keys, vals, scale: float, layers: int, g: torch.Generator) -> float:
-    """attend_one over `layers` distinct caches shaped as keys/vals, one after another as a decode
-    step's layers run: fastest of repeats, ms"""
-    caches = [(torch.randn(keys.shape, generator=g).half(), torch.randn(vals.shape, generator=g).half())
-              for _ in range(layers)]
+def layers_ms(q, keys, vals, scale: float, layers: int, g: torch.Generator, q8: bool = False) -> float:
+    """attend_one over `layers` distinct caches shaped as keys/vals (float16, or with q8 ggml's q8_0 rows
+    of rotated keys and values: --kv-dtype q8_0), one after another as a decode step's layers run:
+    fastest of repeats, ms"""
+    def cache(rot):
+        x = torch.randn(keys.shape, generator=g)
+        return q8_0.quantize(rot(x)) if q8 else x.half()
+    caches = [(cache(q8_0.rot_k), cache(q8_0.rot_v)) for _ in range(layers)]
 
     def step():
         for k, v in caches:
@@ -74,7 +77,7 @@ def main() -> int:
           f"{args.threads} threads, H {H} G {G} D {D}, float16 cache")
     L = args.decode_layers
     print(f"{'S':>6} {'T':>5} {'MawForge ms':>12} {'GMAC/s':>7} {'ggml ms':>9} {'GMAC/s':>7} {'ggml / MawForge':>16}"
-          + (f" {f'MawForge {L} layers ms':>22} {'GB/s':>6}" if L else ""))
+          + (f" {f'MawForge {L} layers ms':>22} {'GB/s':>6} {'q8_0 ms':>8} {'GB/s':>6}" if L else ""))
     rows = []
     for spec in args.rows.split(","):
         S, T = (int(v) for v in spec.split("x"))
@@ -96,7 +99,10 @@ def main() -> int:
         if T == 1 and L:
             row.update(layers_ms=layers_ms(q, keys, vals, scale, L, g))
             row.update(layers_cache_gb_s=L * 2 * keys.numel() * keys.element_size() / row["layers_ms"] * 1e-6)
-            tail = f" {row['layers_ms']:>22.2f} {row['layers_cache_gb_s']:>6.1f}"
+            row.update(q8_layers_ms=layers_ms(q, keys, vals, scale, L, g, q8=True))
+            row.update(q8_layers_cache_gb_s=L * 2 * keys.numel() * 34 / 32 / row["q8_layers_ms"] * 1e-6)
+            tail = (f" {row['layers_ms']:>22.2f} {row['layers_cache_gb_s']:>6.1f} {row['q8_layers_ms']:>8.2f}"
+                    f" {row['q8_layers_cache_gb_s']:>6.1f}")
         rows.append(row)
         print(f"{S:>6} {T:>5} {ms:>12.3f} {row['mawforge_gmac_s']:>7.1f} {ggml_ms:>9.3f} {row['ggml_gmac_s']:>7.1f} "
               f"{row['ggml_over_mawforge']:>15.2f}x" + tail, flush=True)
