@@ -59,8 +59,8 @@ def state_bytes(layout, context: int, kv_dtype: str, grows: bool) -> int:
     for spec in layout:
         for shape, g in layer_state(spec, context):
             if g == grows:
-                n = kv_row_bytes(shape[-1], kv_dtype) if g else 4 * shape[-1]
-                for d in shape[:-1]:
+                n, dims = (kv_row_bytes(shape[-1], kv_dtype), shape[:-1]) if g else (4, shape)
+                for d in dims:
                     n *= d
                 total += n
     return total
