@@ -53,6 +53,14 @@ def synthetic_rows(n: int, width: int, seed: int = 5):
     return np.random.default_rng(seed).standard_normal((n, width), dtype=np.float32).astype(np.float16)
 
 
+def synthetic_q8_rows(n: int, width: int):
+    """synthetic_rows' values as q8_0 blocks (a q8_0 cache's contents): uint8 tensor [n, width / 32 * 34]"""
+    import torch
+
+    from mawforge.kernels import q8_0
+    return q8_0.quantize(torch.from_numpy(synthetic_rows(n, width)).float())
+
+
 # ---- workers (child processes) ---------------------------------------------------------------
 class LlamaEngine:
     def __init__(self, a) -> None:
@@ -152,7 +160,6 @@ class MawEngine:
     def fill(self, n: int) -> None:
         """Positions 0..n-1 of every attention layer hold synthetic keys and values (the rows
         LlamaEngine.fill writes); the next token runs at position n."""
-        from mawforge.kernels import q8_0
         torch, kv = self.torch, self.rt.kv
         block = None
         for kc, vc in zip(kv.k, kv.v):
@@ -161,9 +168,7 @@ class MawEngine:
             g, _, d = kc.shape
             if block is None:
                 if kv.quant:            # q8_0 rows of the same values, as llama.cpp's q8_0 cache holds them
-                    d = d // 34 * 32
-                    block = q8_0.quantize(torch.from_numpy(synthetic_rows(n, g * d)).float().view(n, g, d))
-                    block = block.transpose(0, 1)
+                    block = synthetic_q8_rows(n, g * (d // 34 * 32)).view(n, g, d).transpose(0, 1)
                 else:
                     block = torch.from_numpy(synthetic_rows(n, g * d)).view(n, g, d).transpose(0, 1).to(kc.dtype)
             kc[:, :n].copy_(block)
@@ -267,10 +272,7 @@ class SeqState:
         if ktypes == {1}:                       # GGML_TYPE_F16
             rows = synthetic_rows(n, self.k[0][1] // 2)
         elif ktypes == {8} and not self.v_trans:    # GGML_TYPE_Q8_0 (flash attention: V rows, not columns)
-            import torch
-
-            from mawforge.kernels import q8_0
-            rows = q8_0.quantize(torch.from_numpy(synthetic_rows(n, self.k[0][1] // 34 * 32)).float()).numpy()
+            rows = synthetic_q8_rows(n, self.k[0][1] // 34 * 32).numpy()
         else:
             raise RuntimeError(f"llama.cpp's cache is neither float16 nor q8_0 rows here (types {ktypes})")
         with open(path, "wb") as f:

@@ -81,7 +81,7 @@ def hadamard(x: torch.Tensor, n: int) -> torch.Tensor:
         a, b = y[..., 0, :], y[..., 1, :]
         y = torch.stack((a + b, a - b), dim=-2)
         h *= 2
-    return (y.reshape(*lead, D) * torch.tensor(np.float32(1.0 / math.sqrt(n)))).reshape(*lead, D)
+    return y.reshape(*lead, D) * torch.tensor(np.float32(1.0 / math.sqrt(n)))
 
 
 def rot_k(x: torch.Tensor) -> torch.Tensor:
@@ -93,3 +93,14 @@ def rot_k(x: torch.Tensor) -> torch.Tensor:
 def rot_v(x: torch.Tensor) -> torch.Tensor:
     """Values [..., D] into the cache's basis, or an attention output back out of it (H_64 both ways)."""
     return hadamard(x, 64) if x.shape[-1] % 64 == 0 else x
+
+
+def query(q: torch.Tensor, rotated: bool) -> torch.Tensor:
+    """Query rows [..., D] as the attention over a q8_0 cache scores them: rotated as the cached keys
+    (rotated: KVCache.rotated), then through q8_0 (K's vec-dot type in ggml's flash attention)."""
+    return round_trip(rot_k(q) if rotated else q)
+
+
+def output(o: torch.Tensor, rotated: bool) -> torch.Tensor:
+    """An attention output [..., D] over a q8_0 cache back from the values' rotated basis."""
+    return rot_v(o) if rotated else o

@@ -134,11 +134,10 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float
                                  scale, window, rotated) for a in range(0, T, step)])
     quant = keys.dtype == torch.uint8       # q8_0 rows: q through q8_0, probabilities float32 (ggml's flash attention)
     low = keys.dtype != torch.float32 and not quant
-    rot = quant and rotated
     # [G, H/G*T, D]; one token is that layout already (the permute and copy would be no-ops)
     qg = q.view(G, H // G, D) if T == 1 else q.view(T, G, H // G, D).permute(1, 2, 0, 3).reshape(G, H // G * T, D)
     if quant:
-        qg = q8_0.round_trip(q8_0.rot_k(qg) if rot else qg)
+        qg = q8_0.query(qg, rotated)
     elif low:
         qg = qg.to(keys.dtype)
     scores = torch.bmm(qg.float(), q8_0.rows_float(keys).transpose(1, 2)).mul_(scale)   # [G, H/G*T, S]
@@ -153,8 +152,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float
     if low:
         probs = probs.to(vals.dtype)
     out = torch.bmm(probs.float(), q8_0.rows_float(vals))                        # [G, H/G*T, D]
-    if rot:
-        out = q8_0.rot_v(out)
+    if quant:
+        out = q8_0.output(out, rotated)
     if T == 1:
         return out.view(1, H * D)
     return out.view(G, H // G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)

@@ -59,7 +59,7 @@ class GptOss(MoETransformer):
         S = keys.shape[1]
         qg = q.view(T, G, H // G, D).permute(1, 2, 0, 3).reshape(G, H // G * T, D)
         if keys.dtype == torch.uint8:       # a q8_0 cache: q rotated and through q8_0 (models/base.attend)
-            qg = q8_0.round_trip(q8_0.rot_k(qg) if kv.rotated else qg)
+            qg = q8_0.query(qg, kv.rotated)
         scores = torch.bmm(qg, q8_0.rows_float(keys).transpose(1, 2)).view(G, H // G, T, S) * self.scale
         qpos = S - T + torch.arange(T, device=x.device)[:, None]                  # [T, 1]
         kpos = torch.arange(S, device=x.device)[None]                             # [1, S]
@@ -70,7 +70,7 @@ class GptOss(MoETransformer):
         sink = lw["attn_sinks.weight"].view(G, H // G, 1, 1).expand(G, H // G, T, 1)
         probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :S]  # [G, H/G, T, S]
         out = torch.bmm(probs.reshape(G, H // G * T, S), q8_0.rows_float(vals))   # [G, H/G*T, D]
-        if keys.dtype == torch.uint8 and kv.rotated:
-            out = q8_0.rot_v(out)
+        if keys.dtype == torch.uint8:
+            out = q8_0.output(out, kv.rotated)
         out = out.view(G, H // G, T, D).permute(2, 0, 1, 3).reshape(T, H * D)
         return lw.proj("attn_output.weight", out)
