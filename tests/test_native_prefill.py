@@ -2,10 +2,10 @@
 in cache-sized panels against four tokens at a time, and moe_ffn's blocked expert loop) gives
 every element the bits of the one-token path (decode's), for every type, token count and row
 count that does not fill a tile, at every thread count, and in the portable build; and it is
-ggml's mul_mat where ggml itself uses its one-row kernel. On an AVX-512 VNNI CPU the Q4_K rows of
-eight tokens or more run the unpacked-panel tiles (gemm_rows_k4: two rows by four tokens, an odd
-last row and the tokens beyond a multiple of four by the other kernels), and the same checks
-hold them to the one-token bits."""
+ggml's mul_mat where ggml itself uses its one-row kernel. On an AVX-512 VNNI CPU the Q4_K and Q6_K
+rows of eight tokens or more run the unpacked-panel tiles (gemm_rows_panel: two rows by four
+tokens, two tokens a register; an odd last row and the tokens beyond a multiple of four by the
+other kernels), and the same checks hold them to the one-token bits."""
 import os
 import subprocess
 import sys

@@ -533,47 +533,87 @@ FORCE_INLINE void dot4_q0(const uint8_t *w, int nb, const qrow *x, float *out, c
 }
 static void dot4_q80(const uint8_t *w, int nb, const qrow *x, float *out) { dot4_q0(w, nb, x, out, 0); }
 static void dot4_q40(const uint8_t *w, int nb, const qrow *x, float *out) { dot4_q0(w, nb, x, out, 1); }
-/* ---- prefill on AVX-512 VNNI: a Q4_K panel unpacked once, a tile of two rows by four tokens ---
-   The four-token kernel unpacks each weight block (nibbles, scale shuffles) once per four tokens
-   and spends as many instructions on each block's float tail as on its products: at M = 512 it
+/* ---- prefill on AVX-512 VNNI: a panel of weight rows unpacked once, tiles of two rows by four tokens ----
+   The four-token kernels unpack each weight block (nibbles, scale shuffles) once per four tokens
+   and spend as many instructions on each block's float tail as on its products: at M = 512 they
    ran at half the speed of ggml's tiled mul_mat on AMD Zen 4 (benchmarks/kernels.py). Here a
-   panel of weight rows is unpacked once for every token of the call (codes as bytes, scales as
-   int16 vectors), and each step computes two rows against four tokens with the two tokens of a
-   pair in one 512-bit register for the float tail. Each pair's eight int32 lanes are the AVX2
-   kernel's (integers are exact) and its float lanes take the same operations in the same order,
-   so the results are the same bits (tests/test_native_prefill.py). Not built under the VNNI
-   emulation, which defines only the four-token kernels' operations. */
+   panel of Q4_K or Q6_K rows is unpacked once for every token of the call: each block as eight
+   runs of 32 codes (bytes; Q6_K's six bits put together) and each run's scales as int16. Each
+   group of four tokens is laid out as two pairs, a run of both tokens of a pair in one 512-bit
+   register (token 2p low, 2p + 1 high), so one vpmaddubsw + vpdpwssd against a run of codes
+   broadcast to both halves adds that run into both tokens' eight int32 lanes at once; those lanes
+   hold exactly what the AVX2 kernel's madd lanes add up to (integers are exact), and the float
+   tail takes the same operations in the same order per lane, so every result is the same bits
+   (tests/test_native_prefill.py). Not built under the VNNI emulation, which defines only the
+   four-token kernels' operations. */
 #if VNNI512 && !defined(MAWFORGE_VNNI_EMU)
-#define PANEL_K4 1
-typedef struct {            /* one Q4_K block of one weight row, unpacked (576 bytes) */
-    __m512i q[4];           /* codes of sub-blocks 2j (low half) and 2j + 1 (high half) */
-    __m512i s[4];           /* their scales as int16, sixteen lanes each */
+#define PANEL_VNNI 1
+typedef struct {            /* one Q4_K block of one weight row, unpacked (320 bytes) */
+    uint8_t q[8][32];       /* sub-block s's 32 codes */
+    int32_t sc[8];          /* its scale as int16, twice (a 32-bit broadcast fills 32 lanes) */
     __m128i mn;             /* the eight mins as int16 */
     float d, dmin;
-} k4blk;
-typedef struct {            /* one block of four tokens (256 bytes) */
+} __attribute__((aligned(64))) k4blk;
+typedef struct {            /* one Q6_K block of one weight row, unpacked (576 bytes) */
+    uint8_t q[8][32];       /* values 32s .. 32s + 31, 0..63 (the -32 comes off through the sums of 16) */
+    int16_t sc[8][16];      /* their two scales of 16, eight lanes each */
+    int16_t sc16[16];       /* the sixteen scales in order (for the offset term) */
+    float d;
+} __attribute__((aligned(64))) k6blk;
+typedef struct {            /* one block of four tokens (1408 bytes) */
+    __m512i x[2][8];        /* pair p, run s: token 2p's 32 bytes of x, then 2p + 1's */
     __m512 dx01, dx23;      /* token scales: tokens 0 | 1, 2 | 3, eight lanes each */
-    __m512 dx4;             /* token t's scale in lanes 4t .. 4t + 3 */
-    __m512i bs;             /* token t's eight sub-block sums (int16) in 128-bit lane t */
-} k4grp;
+    __m512 dx4;             /* token t's scale in lanes 4t .. 4t + 3 (Q4_K's mins) */
+    __m512i bs;             /* Q4_K: token t's eight sub-block sums (int16) in 128-bit lane t */
+    __m512i bs6[2];         /* Q6_K: the sixteen sums of pair p's tokens, one per 256-bit half */
+} kgrp;
 
-static void k4_unpack(const uint8_t *w, long rb, int nb, int rows, k4blk *out) {
+static void k4_unpack(const uint8_t *w, long rb, int nb, int rows, void *panel) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
+    k4blk *out = (k4blk *)panel;
     for (int n = 0; n < rows; n++)
         for (int b = 0; b < nb; b++) {
             const uint8_t *blk = w + rb * n + 144 * b, *qs = blk + 16;
             k4blk *o = out + (long)n * nb + b;
             const __m128i sm = k_scales_v(blk + 4);
-            const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm));
+            uint8_t s8[16];
+            _mm_storeu_si128((__m128i *)s8, sm);
+            for (int s = 0; s < 8; s++) o->sc[s] = (int32_t)((uint32_t)s8[s] * 0x10001u);
             o->mn = _mm_cvtepu8_epi16(_mm_unpackhi_epi64(sm, sm));
             o->d = f16(blk);
             o->dmin = f16(blk + 2);
             for (int j = 0; j < 4; j++) {
                 const __m256i q4 = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-                const __m256i lo = _mm256_and_si256(q4, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
-                o->q[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-                o->s[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_shuffle_epi8(sc, pick16(2 * j))),
-                                             _mm256_shuffle_epi8(sc, pick16(2 * j + 1)), 1);
+                _mm256_store_si256((__m256i *)o->q[2 * j], _mm256_and_si256(q4, m4));
+                _mm256_store_si256((__m256i *)o->q[2 * j + 1], _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4));
+            }
+        }
+}
+
+static void k6_unpack(const uint8_t *w, long rb, int nb, int rows, void *panel) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
+    k6blk *out = (k6blk *)panel;
+    for (int n = 0; n < rows; n++)
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = w + rb * n + 210 * b;
+            k6blk *o = out + (long)n * nb + b;
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            _mm256_store_si256((__m256i *)o->sc16, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc)));
+            o->d = f16(blk + 208);
+            for (int j = 0; j < 2; j++) {
+                const uint8_t *ql = blk + 64 * j, *qh = blk + 128 + 32 * j;
+                const __m256i b1 = _mm256_loadu_si256((const __m256i *)ql), b2 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+                const __m256i bh = _mm256_loadu_si256((const __m256i *)qh);
+                const __m256i s16 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8 * j))));
+                const __m256i v[4] = {
+                    _mm256_or_si256(_mm256_and_si256(b1, m4), _mm256_and_si256(_mm256_slli_epi16(bh, 4), m30)),
+                    _mm256_or_si256(_mm256_and_si256(b2, m4), _mm256_and_si256(_mm256_slli_epi16(bh, 2), m30)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b1, 4), m4), _mm256_and_si256(bh, m30)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b2, 4), m4), _mm256_and_si256(_mm256_srli_epi16(bh, 2), m30))};
+                for (int k = 0; k < 4; k++) {
+                    _mm256_store_si256((__m256i *)o->q[4 * j + k], v[k]);
+                    _mm256_store_si256((__m256i *)o->sc[4 * j + k], _mm256_shuffle_epi8(s16, pick16(8 + k)));
+                }
             }
         }
 }
@@ -582,10 +622,19 @@ static inline __m512 two8(float a, float b) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(a)),
                                                _mm256_castps_pd(_mm256_set1_ps(b)), 1));
 }
+static inline __m512i two256(const void *a, const void *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
 
-static void k4_group(const qrow *x, int nb, k4grp *g) {
+static void k_group(const qrow *x, int nb, kgrp *g) {
     for (int b = 0; b < nb; b++) {
         const float d0 = x[0].d[b], d1 = x[1].d[b], d2 = x[2].d[b], d3 = x[3].d[b];
+        for (int p = 0; p < 2; p++) {
+            for (int s = 0; s < 8; s++)
+                g[b].x[p][s] = two256(x[2 * p].q + b * QK + 32 * s, x[2 * p + 1].q + b * QK + 32 * s);
+            g[b].bs6[p] = two256(x[2 * p].bs + b * 16, x[2 * p + 1].bs + b * 16);
+        }
         g[b].dx01 = two8(d0, d1);
         g[b].dx23 = two8(d2, d3);
         g[b].dx4 = _mm512_setr_ps(d0, d0, d0, d0, d1, d1, d1, d1, d2, d2, d2, d2, d3, d3, d3, d3);
@@ -599,58 +648,98 @@ static void k4_group(const qrow *x, int nb, k4grp *g) {
     }
 }
 
-/* rows a and b (unpacked, nb blocks each) against the four tokens x: o[4 r + t] */
-static void k4_tile(const k4blk *a, const k4blk *b, int nb, const qrow *x, const k4grp *g, float *o) {
-    __m512 acc[2][2] = {{_mm512_setzero_ps(), _mm512_setzero_ps()}, {_mm512_setzero_ps(), _mm512_setzero_ps()}};
-    __m512 accm[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int k = 0; k < nb; k++) {
-        const k4blk *R[2] = {a + k, b + k};
-        __m512i sz[2][4];
-        for (int r = 0; r < 2; r++)
-            for (int t = 0; t < 4; t++) sz[r][t] = _mm512_setzero_si512();
-        for (int j = 0; j < 4; j++) {
-            const __m512i wa = R[0]->q[j], wb = R[1]->q[j], sa = R[0]->s[j], sb = R[1]->s[j];
-            for (int t = 0; t < 4; t++) {
-                const __m512i xv = _mm512_loadu_si512(x[t].q + k * QK + 64 * j);
-                sz[0][t] = _mm512_dpwssd_epi32(sz[0][t], _mm512_maddubs_epi16(wa, xv), sa);
-                sz[1][t] = _mm512_dpwssd_epi32(sz[1][t], _mm512_maddubs_epi16(wb, xv), sb);
-            }
-        }
-        const k4grp *G = g + k;
-        for (int r = 0; r < 2; r++) {
-            for (int p = 0; p < 2; p++) {   /* tokens 2p | 2p + 1: each one's halves added */
-                const __m512i s = _mm512_add_epi32(_mm512_shuffle_i64x2(sz[r][2 * p], sz[r][2 * p + 1], 0x44),
-                                                   _mm512_shuffle_i64x2(sz[r][2 * p], sz[r][2 * p + 1], 0xEE));
-                const __m512 dv = _mm512_mul_ps(_mm512_set1_ps(R[r]->d), p ? G->dx23 : G->dx01);
-                acc[r][p] = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(s), acc[r][p]);
-            }
-            const __m512i m = _mm512_madd_epi16(_mm512_broadcast_i32x4(R[r]->mn), G->bs);
-            accm[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(R[r]->dmin), G->dx4), _mm512_cvtepi32_ps(m), accm[r]);
-        }
-    }
+/* o[4 r + t] from the float accumulators: token pair p of row r in acc[r][p] (eight lanes a token),
+   Q4_K's mins (four lanes a token) in accm[r] */
+static inline void k_out(__m512 acc[2][2], const __m512 *accm, float *o) {
     for (int r = 0; r < 2; r++) {
         float f[2][16] __attribute__((aligned(64))), fm[16] __attribute__((aligned(64)));
         _mm512_store_ps(f[0], acc[r][0]);
         _mm512_store_ps(f[1], acc[r][1]);
-        _mm512_store_ps(fm, accm[r]);
+        if (accm) _mm512_store_ps(fm, accm[r]);
         for (int t = 0; t < 4; t++)
-            o[4 * r + t] = hsum_ps(_mm256_load_ps(f[t / 2] + 8 * (t % 2))) - hsum_ps128(_mm_load_ps(fm + 4 * t));
+            o[4 * r + t] = hsum_ps(_mm256_load_ps(f[t / 2] + 8 * (t % 2))) - (accm ? hsum_ps128(_mm_load_ps(fm + 4 * t)) : 0.f);
     }
 }
 
-/* the unpacked panel: per thread, grown once (OpenMP's threads persist between calls) */
-static _Thread_local k4blk *k4_panel = 0;
-static _Thread_local size_t k4_panel_n = 0;
-static k4blk *k4_panel_for(size_t n) {
-    if (n > k4_panel_n) {
-        free(k4_panel);
-        k4_panel = (k4blk *)aligned_alloc(64, n * sizeof(k4blk));
-        k4_panel_n = k4_panel ? n : 0;
+/* Q4_K rows a and b (unpacked, nb blocks each) against the four tokens of g: o[4 r + t] */
+static void k4_tile(const void *pa, const void *pb, int nb, const kgrp *g, float *o) {
+    const k4blk *a = (const k4blk *)pa, *b = (const k4blk *)pb;
+    __m512 acc[2][2] = {{_mm512_setzero_ps(), _mm512_setzero_ps()}, {_mm512_setzero_ps(), _mm512_setzero_ps()}};
+    __m512 accm[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int k = 0; k < nb; k++) {
+        const k4blk *R[2] = {a + k, b + k};
+        const kgrp *G = g + k;
+        __m512i sz[2][2] = {{_mm512_setzero_si512(), _mm512_setzero_si512()}, {_mm512_setzero_si512(), _mm512_setzero_si512()}};
+        for (int s = 0; s < 8; s++)
+            for (int r = 0; r < 2; r++) {
+                const __m512i w = _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i *)R[r]->q[s]));
+                const __m512i sc = _mm512_set1_epi32(R[r]->sc[s]);
+                sz[r][0] = _mm512_dpwssd_epi32(sz[r][0], _mm512_maddubs_epi16(w, G->x[0][s]), sc);
+                sz[r][1] = _mm512_dpwssd_epi32(sz[r][1], _mm512_maddubs_epi16(w, G->x[1][s]), sc);
+            }
+        for (int r = 0; r < 2; r++) {
+            const __m512 d = _mm512_set1_ps(R[r]->d);
+            acc[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(d, G->dx01), _mm512_cvtepi32_ps(sz[r][0]), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(d, G->dx23), _mm512_cvtepi32_ps(sz[r][1]), acc[r][1]);
+            const __m512i m = _mm512_madd_epi16(_mm512_broadcast_i32x4(R[r]->mn), G->bs);
+            accm[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(R[r]->dmin), G->dx4), _mm512_cvtepi32_ps(m), accm[r]);
+        }
     }
-    return k4_panel;
+    k_out(acc, accm, o);
 }
-#define K4_PANEL_BYTES (160 * 1024)
-#define K4_MIN_TOKENS 8
+
+/* Q6_K rows a and b against the four tokens of g, as k4_tile (the offset term: 32 x scale x sum
+   of 16, subtracted in integers, as the AVX2 kernel starts its sums) */
+static void k6_tile(const void *pa, const void *pb, int nb, const kgrp *g, float *o) {
+    const k6blk *a = (const k6blk *)pa, *b = (const k6blk *)pb;
+    __m512 acc[2][2] = {{_mm512_setzero_ps(), _mm512_setzero_ps()}, {_mm512_setzero_ps(), _mm512_setzero_ps()}};
+    for (int k = 0; k < nb; k++) {
+        const k6blk *R[2] = {a + k, b + k};
+        const kgrp *G = g + k;
+        __m512i sz[2][2];
+        for (int r = 0; r < 2; r++) {
+            const __m512i s16 = _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i *)R[r]->sc16));
+            for (int p = 0; p < 2; p++)
+                sz[r][p] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_madd_epi16(s16, G->bs6[p]), 5));
+        }
+        for (int s = 0; s < 8; s++)
+            for (int r = 0; r < 2; r++) {
+                const __m512i w = _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i *)R[r]->q[s]));
+                const __m512i sc = _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i *)R[r]->sc[s]));
+                sz[r][0] = _mm512_dpwssd_epi32(sz[r][0], _mm512_maddubs_epi16(w, G->x[0][s]), sc);
+                sz[r][1] = _mm512_dpwssd_epi32(sz[r][1], _mm512_maddubs_epi16(w, G->x[1][s]), sc);
+            }
+        for (int r = 0; r < 2; r++) {
+            const __m512 d = _mm512_set1_ps(R[r]->d);
+            acc[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(d, G->dx01), _mm512_cvtepi32_ps(sz[r][0]), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(d, G->dx23), _mm512_cvtepi32_ps(sz[r][1]), acc[r][1]);
+        }
+    }
+    k_out(acc, 0, o);
+}
+
+typedef void (*unpack_fn)(const uint8_t *, long, int, int, void *);
+typedef void (*tile_fn)(const void *, const void *, int, const kgrp *, float *);
+/* the panel kernels of a type: block bytes unpacked, unpack, tile (0: none) */
+static size_t panel_kernels(int type, unpack_fn *unpack, tile_fn *tile) {
+    if (type == T_Q4_K) { *unpack = k4_unpack; *tile = k4_tile; return sizeof(k4blk); }
+    if (type == T_Q6_K) { *unpack = k6_unpack; *tile = k6_tile; return sizeof(k6blk); }
+    return 0;
+}
+
+/* the unpacked panel: per thread, grown once (OpenMP's threads persist between calls) */
+static _Thread_local uint8_t *k_panel = 0;
+static _Thread_local size_t k_panel_n = 0;
+static uint8_t *k_panel_for(size_t n) {
+    if (n > k_panel_n) {
+        free(k_panel);
+        k_panel = (uint8_t *)aligned_alloc(64, n);
+        k_panel_n = k_panel ? n : 0;
+    }
+    return k_panel;
+}
+#define K_PANEL_BYTES (160 * 1024)
+#define K_MIN_TOKENS 8
 #endif
 
 int simd_path(void) { return 1; }
@@ -820,17 +909,18 @@ static inline void put4(float *const *yr, int m, int n, int y0, const float *sca
     putn(yr, m, n, y0, scale, o, 4);
 }
 
-#if PANEL_K4
-/* gemm_rows for Q4_K on AVX-512 VNNI: each panel of rows unpacked once (k4_unpack), then every
-   group of four tokens meets it two rows at a time (k4_tile); an odd last row takes dot4, two or
-   three tokens beyond a multiple of four a padded group, one token the one-token kernels, so
+#if PANEL_VNNI
+/* gemm_rows for Q4_K and Q6_K on AVX-512 VNNI: each panel of rows unpacked once, then every group
+   of four tokens meets it two rows at a time (k4_tile / k6_tile); an odd last row takes dot4, two
+   or three tokens beyond a multiple of four a padded group, one token the one-token kernels, so
    every element keeps its bits. */
-static void gemm_rows_k4(dot_fn dot, dot4_fn dot4, dot2_fn dot2, const uint8_t *w, long rb, int nb, int n0,
-                         int n1, const qrow *xr, int M, float *const *yr, int y0, const float *scale) {
-    int pr = (int)(K4_PANEL_BYTES / ((long)nb * (long)sizeof(k4blk)));
+static void gemm_rows_panel(size_t blk, unpack_fn unpack, tile_fn tile, dot_fn dot, dot4_fn dot4, dot2_fn dot2,
+                            const uint8_t *w, long rb, int nb, int n0, int n1, const qrow *xr, int M,
+                            float *const *yr, int y0, const float *scale) {
+    int pr = (int)(K_PANEL_BYTES / ((long)nb * (long)blk));
     pr = pr < 2 ? 2 : pr & ~1;
-    k4blk *panel = k4_panel_for((size_t)pr * nb);
-    k4grp *g = (k4grp *)aligned_alloc(64, sizeof(k4grp) * (size_t)nb);
+    uint8_t *panel = k_panel_for((size_t)pr * nb * blk);
+    kgrp *g = (kgrp *)aligned_alloc(64, sizeof(kgrp) * (size_t)nb);
     if (!panel || !g) {                       /* no memory for the panel: the four-token path */
         free(g);
         for (int m = 0; m + 4 <= M; m += 4)
@@ -842,18 +932,19 @@ static void gemm_rows_k4(dot_fn dot, dot4_fn dot4, dot2_fn dot2, const uint8_t *
        with copies of the last one (each token's lanes are computed alone; the copies' results are
        not stored): cheaper than the one-token kernels. One token left takes those. */
     const int m4 = M - M % 4, groups = M % 4 >= 2 ? M + 4 - M % 4 : m4;
+    const long row = (long)nb * (long)blk;
     qrow xpad[4];
     for (int t = 0; t < 4; t++) xpad[t] = xr[m4 + t < M ? m4 + t : M - 1];
     for (int p0 = n0; p0 < n1; p0 += pr) {
         const int p1 = p0 + pr < n1 ? p0 + pr : n1, rows = p1 - p0, pairs = rows & ~1;
-        k4_unpack(w + rb * p0, rb, nb, rows, panel);
+        unpack(w + rb * p0, rb, nb, rows, panel);
         for (int m = 0; m < groups; m += 4) {
             const qrow *xg = m == m4 ? xpad : xr + m;      /* m == m4: the padded group */
             const int cnt = M - m < 4 ? M - m : 4;
-            k4_group(xg, nb, g);
+            k_group(xg, nb, g);
             for (int i = 0; i < pairs; i += 2) {
                 float o[8];
-                k4_tile(panel + (long)i * nb, panel + (long)(i + 1) * nb, nb, xg, g, o);
+                tile(panel + i * row, panel + (i + 1) * row, nb, g, o);
                 putn(yr, m, p0 + i, y0, scale, o, cnt);
                 putn(yr, m, p0 + i + 1, y0, scale, o + 4, cnt);
             }
@@ -874,12 +965,14 @@ static void gemm_rows_k4(dot_fn dot, dot4_fn dot4, dot2_fn dot2, const uint8_t *
    prompt are ~1.1 MiB). The rows of x left over (M % 4) run the one-token kernels, two weight
    rows at a time where the type has a two-row kernel. Every element is the same float
    computation as the one-token, one-row kernel's (ggml's order), so blocking changes no bit.
-   Q4_K on AVX-512 VNNI with eight tokens or more goes through gemm_rows_k4. */
+   Q4_K and Q6_K on AVX-512 VNNI with eight tokens or more go through gemm_rows_panel. */
 static void gemm_rows(int type, dot_fn dot, dot4_fn dot4, dot2_fn dot2, const uint8_t *w, long rb, int nb, int n0,
                       int n1, const qrow *xr, int M, float *const *yr, int y0, const float *scale) {
-#if PANEL_K4
-    if (type == T_Q4_K && M >= K4_MIN_TOKENS && dot4) {
-        gemm_rows_k4(dot, dot4, dot2, w, rb, nb, n0, n1, xr, M, yr, y0, scale);
+#if PANEL_VNNI
+    unpack_fn unpack; tile_fn tile;
+    const size_t blk = M >= K_MIN_TOKENS && dot4 ? panel_kernels(type, &unpack, &tile) : 0;
+    if (blk) {
+        gemm_rows_panel(blk, unpack, tile, dot, dot4, dot2, w, rb, nb, n0, n1, xr, M, yr, y0, scale);
         return;
     }
 #endif
