@@ -3,7 +3,7 @@ in cache-sized panels against four tokens at a time, and moe_ffn's blocked exper
 every element the bits of the one-token path (decode's), for every type, token count and row
 count that does not fill a tile, at every thread count, and in the portable build; and it is
 ggml's mul_mat where ggml itself uses its one-row kernel. On an AVX-512 VNNI CPU the Q4_K and Q6_K
-rows of eight tokens or more run the unpacked-panel tiles (gemm_rows_panel: two rows by four
+rows of six tokens or more run the unpacked-panel tiles (gemm_rows_panel: two rows by four
 tokens, two tokens a register; an odd last row and the tokens beyond a multiple of four by the
 other kernels), and the same checks hold them to the one-token bits."""
 import os
@@ -21,7 +21,7 @@ from mawforge.kernels import native
 from test_native import TYPES, _expert_set, _random_rows
 
 pytestmark = needs_cc
-TOKENS = (1, 2, 3, 5, 11, 16, 64, 130)   # 11 and 130: three and two tokens past a four-token tile
+TOKENS = (1, 2, 3, 5, 6, 11, 16, 64, 130)   # 6, 11 and 130: two, three and two tokens past a four-token tile
 # K = 2048 rows are 1.1-2.2 KiB: N = 130 spans two to five 64 KiB panels, and neither N nor a
 # thread's share of it is a multiple of the two-row or four-token tiles
 SHAPES = ((130, 2048), (61, 512), (7, 256))
