@@ -23,6 +23,16 @@
 #include <omp.h>
 
 static int g_team = 0;     /* 0: the OpenMP default */
+/* *buf holding at least n bytes, 64-byte aligned: a buffer that only grows (*have its size; 0 and
+   NULL when an allocation failed) */
+static uint8_t *grow_only(uint8_t **buf, size_t *have, size_t n) {
+    if (n > *have) {
+        free(*buf);
+        *buf = (uint8_t *)aligned_alloc(64, (n + 63) & ~(size_t)63);
+        *have = *buf ? n : 0;
+    }
+    return *buf;
+}
 static inline int team_size(void) { return g_team > 0 ? g_team : omp_get_max_threads(); }
 enum { PAR_ELEMS = 1 << 16 };      /* elementwise kernels split over the team from this many floats */
 
@@ -661,6 +671,21 @@ static inline void k_out(__m512 acc[2][2], const __m512 *accm, float *o) {
     }
 }
 
+/* run s of one weight row (32 codes, w) with its scales sc against both token pairs of G: each
+   pair's int32 lanes sz[p] += the run's madd lanes for each of its two tokens */
+FORCE_INLINE void pair_run(__m512i *sz, __m256i w, __m512i sc, const kgrp *G, int s) {
+    const __m512i wz = _mm512_broadcast_i64x4(w);
+    sz[0] = _mm512_dpwssd_epi32(sz[0], _mm512_maddubs_epi16(wz, G->x[0][s]), sc);
+    sz[1] = _mm512_dpwssd_epi32(sz[1], _mm512_maddubs_epi16(wz, G->x[1][s]), sc);
+}
+/* a block's float tail for one row: acc[p] += (d * token scale) * float(sz[p]), lane by lane as
+   the AVX2 kernel's fmadd */
+FORCE_INLINE void pair_tail(__m512 *acc, float d, const __m512i *sz, const kgrp *G) {
+    const __m512 dv = _mm512_set1_ps(d);
+    acc[0] = _mm512_fmadd_ps(_mm512_mul_ps(dv, G->dx01), _mm512_cvtepi32_ps(sz[0]), acc[0]);
+    acc[1] = _mm512_fmadd_ps(_mm512_mul_ps(dv, G->dx23), _mm512_cvtepi32_ps(sz[1]), acc[1]);
+}
+
 /* Q4_K rows a and b (unpacked, nb blocks each) against the four tokens of g: o[4 r + t] */
 static void k4_tile(const void *pa, const void *pb, int nb, const kgrp *g, float *o) {
     const k4blk *a = (const k4blk *)pa, *b = (const k4blk *)pb;
@@ -671,16 +696,10 @@ static void k4_tile(const void *pa, const void *pb, int nb, const kgrp *g, float
         const kgrp *G = g + k;
         __m512i sz[2][2] = {{_mm512_setzero_si512(), _mm512_setzero_si512()}, {_mm512_setzero_si512(), _mm512_setzero_si512()}};
         for (int s = 0; s < 8; s++)
-            for (int r = 0; r < 2; r++) {
-                const __m512i w = _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i *)R[r]->q[s]));
-                const __m512i sc = _mm512_set1_epi32(R[r]->sc[s]);
-                sz[r][0] = _mm512_dpwssd_epi32(sz[r][0], _mm512_maddubs_epi16(w, G->x[0][s]), sc);
-                sz[r][1] = _mm512_dpwssd_epi32(sz[r][1], _mm512_maddubs_epi16(w, G->x[1][s]), sc);
-            }
+            for (int r = 0; r < 2; r++)
+                pair_run(sz[r], _mm256_load_si256((const __m256i *)R[r]->q[s]), _mm512_set1_epi32(R[r]->sc[s]), G, s);
         for (int r = 0; r < 2; r++) {
-            const __m512 d = _mm512_set1_ps(R[r]->d);
-            acc[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(d, G->dx01), _mm512_cvtepi32_ps(sz[r][0]), acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(d, G->dx23), _mm512_cvtepi32_ps(sz[r][1]), acc[r][1]);
+            pair_tail(acc[r], R[r]->d, sz[r], G);
             const __m512i m = _mm512_madd_epi16(_mm512_broadcast_i32x4(R[r]->mn), G->bs);
             accm[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(R[r]->dmin), G->dx4), _mm512_cvtepi32_ps(m), accm[r]);
         }
@@ -703,17 +722,10 @@ static void k6_tile(const void *pa, const void *pb, int nb, const kgrp *g, float
                 sz[r][p] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(_mm512_madd_epi16(s16, G->bs6[p]), 5));
         }
         for (int s = 0; s < 8; s++)
-            for (int r = 0; r < 2; r++) {
-                const __m512i w = _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i *)R[r]->q[s]));
-                const __m512i sc = _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i *)R[r]->sc[s]));
-                sz[r][0] = _mm512_dpwssd_epi32(sz[r][0], _mm512_maddubs_epi16(w, G->x[0][s]), sc);
-                sz[r][1] = _mm512_dpwssd_epi32(sz[r][1], _mm512_maddubs_epi16(w, G->x[1][s]), sc);
-            }
-        for (int r = 0; r < 2; r++) {
-            const __m512 d = _mm512_set1_ps(R[r]->d);
-            acc[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(d, G->dx01), _mm512_cvtepi32_ps(sz[r][0]), acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(d, G->dx23), _mm512_cvtepi32_ps(sz[r][1]), acc[r][1]);
-        }
+            for (int r = 0; r < 2; r++)
+                pair_run(sz[r], _mm256_load_si256((const __m256i *)R[r]->q[s]),
+                         _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i *)R[r]->sc[s])), G, s);
+        for (int r = 0; r < 2; r++) pair_tail(acc[r], R[r]->d, sz[r], G);
     }
     k_out(acc, 0, o);
 }
@@ -730,14 +742,7 @@ static size_t panel_kernels(int type, unpack_fn *unpack, tile_fn *tile) {
 /* the unpacked panel: per thread, grown once (OpenMP's threads persist between calls) */
 static _Thread_local uint8_t *k_panel = 0;
 static _Thread_local size_t k_panel_n = 0;
-static uint8_t *k_panel_for(size_t n) {
-    if (n > k_panel_n) {
-        free(k_panel);
-        k_panel = (uint8_t *)aligned_alloc(64, n);
-        k_panel_n = k_panel ? n : 0;
-    }
-    return k_panel;
-}
+static uint8_t *k_panel_for(size_t n) { return grow_only(&k_panel, &k_panel_n, n); }
 #define K_PANEL_BYTES (160 * 1024)
 #define K_MIN_TOKENS 6
 #endif
@@ -871,14 +876,7 @@ static dot_fn dot_for(int type, int K, int *nb, long *row_bytes) {
 /* per-thread scratch that only grows (the caller's Python thread; OpenMP workers never allocate) */
 static _Thread_local uint8_t *scratch = 0;
 static _Thread_local size_t scratch_size = 0;
-static uint8_t *scratch_for(size_t n) {
-    if (n > scratch_size) {
-        free(scratch);
-        scratch = (uint8_t *)aligned_alloc(64, (n + 63) & ~(size_t)63);
-        scratch_size = scratch ? n : 0;
-    }
-    return scratch;
-}
+static uint8_t *scratch_for(size_t n) { return grow_only(&scratch, &scratch_size, n); }
 
 /* ---- prefill: many rows of x against one matrix, cache-blocked --------------------------- */
 #define PANEL_BYTES (64 * 1024)
