@@ -13,6 +13,9 @@ work/bench as usual):
              untimed ones (a limited row then measures a warm expert cache, not its first fill)
   chat       conversation.py --limits 0 --engines mawforge,llama.cpp --workloads agent,chat, resident
              (MawForge preloaded, llama.cpp's default load), --rounds alternating the order
+  chat0      conversation.py --limits 0 --engines mawforge --workloads agent,chat (preloaded): MawForge's own
+             resident turns, right before chat8's, so the limited / resident ratio pairs runs minutes apart
+             (this VM's speed drifts by as much as that target's margin over twenty minutes)
   chat8      conversation.py --limits 8 --engines mawforge --workloads agent,chat
 Before each step the machine is checked for quiet (CPU time of the whole machine over 3 s; up to
 --wait-quiet seconds of waiting): the verdict table marks a step that started on a busy machine.
@@ -41,7 +44,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import PY, machine, save  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-STEPS = ("attention", "prompt", "context", "chat", "chat8")
+STEPS = ("attention", "prompt", "context", "chat", "chat0", "chat8")
 # (family, model) -> the name these sessions use; others print as family/model
 KNOWN_CPUS = {(25, 17): "AMD EPYC (Zen 4)", (26, 2): "AMD EPYC (Zen 5)", (6, 143): "Intel Xeon (Sapphire Rapids)",
               (6, 207): "Intel Xeon (Emerald Rapids)"}
@@ -70,6 +73,8 @@ def commands(a) -> dict[str, list[str]]:
                     "--decode-tokens", str(a.context_decode), "--warmup", str(a.context_warmup)],
         "chat": ["conversation.py", "--limits", "0", "--engines", "mawforge,llama.cpp", "--workloads", "agent,chat",
                  "--maw-args=--preload", "--rounds", r],
+        "chat0": ["conversation.py", "--limits", "0", "--engines", "mawforge", "--workloads", "agent,chat",
+                  "--maw-args=--preload"],
         "chat8": ["conversation.py", "--limits", "8", "--engines", "mawforge", "--workloads", "agent,chat"],
     }
 
@@ -184,9 +189,12 @@ def verdicts(results: dict[str, dict]) -> list[dict]:
         out += prompt_verdicts(results["prompt"]["rows"])
     if "context" in results:
         out += context_verdicts(results["context"]["rows"])
-    conv = [r for s in ("chat", "chat8") if s in results for r in results[s]["rows"]]
-    if conv:
-        out += conversation_verdicts(conv)
+    rows = lambda *steps: [r for s in steps if s in results for r in results[s]["rows"]]
+    if "chat" in results:           # resident against llama.cpp
+        out += [x for x in conversation_verdicts(rows("chat")) if "llama.cpp" in x["what"]]
+    if "chat8" in results:          # inside 8 GiB against MawForge's resident run nearest in time
+        own = rows("chat0") or [r for r in rows("chat") if r["engine"] == "mawforge"]
+        out += [x for x in conversation_verdicts(own + rows("chat8")) if "llama.cpp" not in x["what"]]
     return out
 
 

@@ -111,7 +111,7 @@ def test_the_table_names_the_cpu_and_a_busy_step_and_the_dry_run_lists_every_com
     out = subprocess.run([sys.executable, str(BENCH / "issue27.py"), "--dry-run", "--rounds", "3"],
                          capture_output=True, text=True, check=True).stdout
     steps = dict(ln.split(": ", 1) for ln in out.splitlines())
-    assert list(steps) == ["attention", "prompt", "context", "chat", "chat8"]
+    assert list(steps) == ["attention", "prompt", "context", "chat", "chat0", "chat8"]
     assert "--rounds 3" in steps["prompt"] and "--warmup 20" in steps["context"] and "--limits 8" in steps["chat8"]
     bad = subprocess.run([sys.executable, str(BENCH / "issue27.py"), "--steps", "prompt,nope", "--dry-run"],
                          capture_output=True, text=True)
@@ -127,3 +127,20 @@ def test_a_step_can_be_read_back_from_its_saved_rows(tmp_path):
     assert p.returncode == 0, p.stderr
     assert json.loads((tmp_path / "v.json").read_text())["steps"] == {"prompt": {"from": str(saved)}}
     assert "| 5 | resident decode after 2048 tokens / llama.cpp repack off | 1.30 | >= 1.2 | **yes** |" in p.stdout
+
+
+def test_the_limited_turns_are_held_to_the_resident_run_nearest_in_time():
+    b = bench_module("issue27")
+
+    def run(config, engine, ttfts):
+        return {"rows": [{"workload": "agent", "config": config, "engine": engine, "status": "ok",
+                          "turns": [{"ttft_s": t} for t in ttfts]}]}
+    chat = {"rows": run("resident", "mawforge", [10, 4])["rows"] + run("resident", "llama.cpp", [20, 8])["rows"]}
+    results = {"chat": chat, "chat0": run("resident", "mawforge", [11, 6]), "chat8": run("8 GiB", "mawforge", [30, 8])}
+    by = {x["what"]: x for x in b.verdicts(results)}
+    assert by["agent: resident TTFT / llama.cpp's, worst turn"]["note"] == "1: 0.50, 2: 0.50"     # chat's rows
+    assert by["agent: 8 GiB TTFT / resident, worst of turns 2 on"]["note"] == "2: 1.33"          # against chat0's 6 s
+    del results["chat0"]
+    by = {x["what"]: x for x in b.verdicts(results)}
+    assert by["agent: 8 GiB TTFT / resident, worst of turns 2 on"]["note"] == "2: 2.00"          # chat's 4 s
+    assert len([x for x in b.verdicts(results) if x["item"] == 4]) == 2
