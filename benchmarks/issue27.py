@@ -1,7 +1,7 @@
 """Issue 27's measures in one run, each target beside its verdict (items 2-5): what a session
 runs once on a quiet machine to put a CPU kind on the record.
 
-    python benchmarks/issue27.py [--steps attention,prompt,context,chat,chat8] [--rounds 2]
+    python benchmarks/issue27.py [--steps attention,prompt,context,chat,chat0,chat8] [--rounds 2]
                                  [--context-decode 40 --context-warmup 20] [--dry-run]
 
 Each step is an existing benchmark run as a child, in this order (its rows saved under
@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -108,11 +107,6 @@ def saved_path(output: str) -> str | None:
     return hits[-1] if hits else None
 
 
-def _med(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
 def _line(item: int, what: str, value, target: str, ok, note: str = "") -> dict:
     return {"item": item, "what": what, "value": value, "target": target, "met": ok, "note": note}
 
@@ -154,8 +148,11 @@ def context_verdicts(rows: list[dict]) -> list[dict]:
     return out
 
 
-def conversation_verdicts(rows: list[dict]) -> list[dict]:
-    """Per workload: the worst turn of each ratio (medians over rounds), and every turn in the note."""
+def conversation_verdicts(rows: list[dict], against: str) -> list[dict]:
+    """Per workload, the worst turn of one ratio of TTFT medians over rounds (every turn in the note):
+    against "llama.cpp", MawForge resident over llama.cpp resident; against "resident", each limited
+    config over MawForge resident from turn 2 on."""
+    from conversation import med
     out = []
     for w in sorted({r["workload"] for r in rows}):
         by = {}
@@ -163,22 +160,20 @@ def conversation_verdicts(rows: list[dict]) -> list[dict]:
             if r["workload"] == w and r.get("status") == "ok":
                 by.setdefault((r["config"], r["engine"]), []).append(r)
         turns = max((len(r.get("turns", [])) for rs in by.values() for r in rs), default=0)
-        ttft = {k: [_med(r["turns"][t].get("ttft_s") for r in rs if t < len(r["turns"])) for t in range(turns)]
-                for k, rs in by.items()}
-
-        def ratios(num, den, first=0):
+        ttft = {k: [med(rs, t, "ttft_s") for t in range(turns)] for k, rs in by.items()}
+        if against == "llama.cpp":
+            pairs = [(f"{w}: resident TTFT / llama.cpp's, worst turn", ("resident", "mawforge"),
+                      ("resident", "llama.cpp"), 0, 1.0)]
+        else:
+            pairs = [(f"{w}: {c} TTFT / resident, worst of turns 2 on", (c, "mawforge"), ("resident", "mawforge"),
+                      1, 1.5) for c in sorted({c for c, _ in by if c != "resident"})]
+        for what, num, den, first, target in pairs:
             a, b = ttft.get(num), ttft.get(den)
-            return [] if not a or not b else [(t + 1, a[t] / b[t]) for t in range(first, turns) if a[t] and b[t]]
-
-        def add(what, rs, target, ok):
+            rs = [] if not a or not b else [(t + 1, a[t] / b[t]) for t in range(first, turns) if a[t] and b[t]]
             if rs:
                 worst = max(v for _, v in rs)
-                out.append(_line(4, what, worst, target, ok(worst), ", ".join(f"{t}: {v:.2f}" for t, v in rs)))
-        add(f"{w}: resident TTFT / llama.cpp's, worst turn",
-            ratios(("resident", "mawforge"), ("resident", "llama.cpp")), "<= 1.0", lambda v: v <= 1.0)
-        for c in sorted({c for c, _ in by if c != "resident"}):
-            add(f"{w}: {c} TTFT / resident, worst of turns 2 on", ratios((c, "mawforge"), ("resident", "mawforge"), 1),
-                "<= 1.5", lambda v: v <= 1.5)
+                out.append(_line(4, what, worst, f"<= {target}", worst <= target,
+                                 ", ".join(f"{t}: {v:.2f}" for t, v in rs)))
     return out
 
 
@@ -191,10 +186,10 @@ def verdicts(results: dict[str, dict]) -> list[dict]:
         out += context_verdicts(results["context"]["rows"])
     rows = lambda *steps: [r for s in steps if s in results for r in results[s]["rows"]]
     if "chat" in results:           # resident against llama.cpp
-        out += [x for x in conversation_verdicts(rows("chat")) if "llama.cpp" in x["what"]]
+        out += conversation_verdicts(rows("chat"), "llama.cpp")
     if "chat8" in results:          # inside 8 GiB against MawForge's resident run nearest in time
         own = rows("chat0") or [r for r in rows("chat") if r["engine"] == "mawforge"]
-        out += [x for x in conversation_verdicts(own + rows("chat8")) if "llama.cpp" not in x["what"]]
+        out += conversation_verdicts(own + rows("chat8"), "resident")
     return out
 
 
@@ -226,7 +221,11 @@ def main() -> int:
     bad = [s for s in steps if s not in STEPS]
     if bad:
         ap.error(f"unknown steps {bad}; choose from {', '.join(STEPS)}")
-    cmds, given = commands(a), dict(x.split("=", 1) for x in a.from_json)
+    cmds, given = commands(a), dict(x.split("=", 1) for x in a.from_json if "=" in x)
+    bad = [x for x in a.from_json if "=" not in x or x.split("=", 1)[0] not in STEPS
+           or not Path(x.split("=", 1)[1]).is_file()]
+    if bad:
+        ap.error(f"--from-json takes STEP=PATH with a step of {', '.join(STEPS)} and a saved JSON file: {bad}")
     if a.dry_run:
         for s in steps:
             print(f"{s}: {PY} {HERE / cmds[s][0]} {' '.join(cmds[s][1:])}")
