@@ -170,10 +170,14 @@ def test_scalar_build_computes_the_same_integers(tmp_path):
 
 
 @needs_avx2
-def test_every_build_attends_and_routes_to_the_same_bits(tmp_path):
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])
+def test_every_build_attends_and_routes_to_the_same_bits(tmp_path, march):
     """attend_one and route_topk sum in 16 lanes of one fixed order (GCC vector types, no FMA
     contraction), and convert float16 by IEEE rules either way (F16C or libgcc): the portable
-    build gives the SIMD build's bits for every KV dtype (q8_0 included), and so does any thread count."""
+    build gives the SIMD build's bits for every KV dtype (q8_0 included), and so does any thread count.
+    On a float16 cache a build with FMA attends with fused multiply-adds (exact float16 products):
+    the AVX2 + FMA build (x86-64-v3, two 8-lane halves) and this machine's build (AVX-512 where it
+    has it) give the portable build's bits, which has a multiply and an add."""
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 8, 64, generator=g)
     cache = {dt: (torch.randn(2, 40, 64, generator=g).to(getattr(torch, dt)),
@@ -182,15 +186,21 @@ def test_every_build_attends_and_routes_to_the_same_bits(tmp_path):
     cache["q8_0"] = tuple(q8_0.quantize(torch.randn(2, 40, 64, generator=g)) for _ in range(2))
     qs = torch.randn(7, 8, 64, generator=g)
     x, w = torch.randn(1, 96, generator=g), torch.randn(24, 96, generator=g)
-    torch.save({"q": q, "qs": qs, "cache": cache, "x": x, "w": w}, tmp_path / "in.pt")
-    code = ("import sys, torch; from mawforge.kernels import native; assert not native.simd();"
+    # float16, three heads a group of 72 (no multiple of 16 or 64): the kernels' one-row and tail loops
+    odd = {"q": torch.randn(1, 6, 72, generator=g), "qs": torch.randn(7, 6, 72, generator=g),
+           "k": torch.randn(2, 40, 72, generator=g).half(), "v": torch.randn(2, 40, 72, generator=g).half()}
+    torch.save({"q": q, "qs": qs, "cache": cache, "x": x, "w": w, "odd": odd}, tmp_path / "in.pt")
+    code = ("import sys, torch; from mawforge.kernels import native;"
+            f"assert native.simd() == {march != 'x86-64'};"
             "d = torch.load(sys.argv[1] + '/in.pt');"
             "out = {dt: native.attend_one(d['q'], k[:, :33], v[:, :33], 0.125) for dt, (k, v) in d['cache'].items()};"
             "out.update({dt + '-rows': native.attend_rows(d['qs'], k[:, :37], v[:, :37], 0.125)"
             " for dt, (k, v) in d['cache'].items()});"
             "out['route'] = native.route_topk(d['x'], d['w'], 5, True);"
+            "o = d['odd']; out['odd'] = native.attend_one(o['q'], o['k'][:, :33], o['v'][:, :33], 0.125);"
+            "out['odd-rows'] = native.attend_rows(o['qs'], o['k'][:, :37], o['v'][:, :37], 0.125);"
             "torch.save(out, sys.argv[1] + '/out.pt')")
-    env = dict(os.environ, MAWFORGE_NATIVE_MARCH="x86-64", MAWFORGE_CACHE=str(tmp_path / "cache"))
+    env = dict(os.environ, MAWFORGE_NATIVE_MARCH=march, MAWFORGE_CACHE=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert native.simd()
@@ -205,6 +215,9 @@ def test_every_build_attends_and_routes_to_the_same_bits(tmp_path):
                 assert torch.equal(rows, portable[dt + "-rows"]) and rows.abs().sum() > 0, dt
             idx, wt = native.route_topk(x, w, 5, True)
             assert torch.equal(idx, portable["route"][0]) and torch.equal(wt, portable["route"][1])
+            assert torch.equal(native.attend_one(odd["q"], odd["k"][:, :33], odd["v"][:, :33], 0.125), portable["odd"])
+            assert torch.equal(native.attend_rows(odd["qs"], odd["k"][:, :37], odd["v"][:, :37], 0.125),
+                               portable["odd-rows"])
     finally:
         native.set_thread_limit(None)
     # and the softmax top-k is the one torch computes, to float32 rounding

@@ -53,7 +53,7 @@ int attn_qkv(const float *x, int C, const uint8_t *wq, int tq, const uint8_t *wk
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX512F__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -206,9 +206,36 @@ static inline void round_row(int dtype, float *x, int n) {
 /* 16 float lanes as one value: GCC lowers it to one AVX-512 register, two AVX2 or four SSE ones,
    each lane computing the same operations in the same order (the same bits in every build) */
 typedef float v16f __attribute__((vector_size(64)));
+#define FORCE_INLINE static inline __attribute__((always_inline))
 typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));   /* unaligned access */
 /* (macros, not functions: a 64-byte vector passed by value warns of an ABI change without AVX-512) */
 #define ld16(p) (*(const v16u *)(p))
+
+/* acc += a * b in each lane, where fx (a constant of each inlined copy) says both factors are
+   float16 values: their product then has at most 22 significant bits and lies between 2^-48 and
+   2^32, so it is exact in float32, and one fused multiply-add rounds as a multiply then an add do.
+   Where the build has FMA the attention kernels use it there (one instruction instead of two: on
+   CPUs whose adds share the multipliers' ports, half the work), keeping every build's bits. A float32
+   or q8_0 cache (inexact products) always takes the multiply and the add. */
+#if defined(__AVX512F__)
+#define MADD16_FUSED(acc, a, b) ((acc) = (v16f)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(acc)))
+#elif defined(__FMA__)
+#define MADD16_FUSED(acc, a, b) do {                                                           \
+        const v16f a_ = (a), b_ = (b);                                                          \
+        __m256 c_[2], x_[2], y_[2];                                                             \
+        memcpy(c_, &(acc), 64); memcpy(x_, &a_, 64); memcpy(y_, &b_, 64);                      \
+        c_[0] = _mm256_fmadd_ps(x_[0], y_[0], c_[0]); c_[1] = _mm256_fmadd_ps(x_[1], y_[1], c_[1]); \
+        memcpy(&(acc), c_, 64);                                                                 \
+    } while (0)
+#else
+#define MADD16_FUSED(acc, a, b) ((acc) += (a) * (b))
+#endif
+#define MADD16(fx, acc, a, b) do { if (fx) MADD16_FUSED(acc, a, b); else (acc) += (a) * (b); } while (0)
+#ifdef __FMA__
+#define MADD1(fx, acc, a, b) ((acc) = (fx) ? __builtin_fmaf((a), (b), (acc)) : (acc) + (a) * (b))
+#else
+#define MADD1(fx, acc, a, b) ((acc) += (a) * (b))
+#endif
 /* the lanes summed pairwise (8 + 8, 4 + 4, 2 + 2, 1 + 1): one fixed order */
 #define hsum16(a) hsum16_of(&(a))
 static inline float hsum16_of(const v16f *a) {
@@ -221,16 +248,17 @@ static inline float hsum16_of(const v16f *a) {
 
 /* sum a[i] * b[i] in 16 lanes (lane i % 16; a tail shorter than 16 into lanes 0..), then the
    lanes pairwise: one fixed order (no reassociation, no FMA contraction under -std=c11) */
-static inline float dot16(const float *a, const float *b, int n) {
+FORCE_INLINE float dot16x(const float *a, const float *b, int n, const int fx) {
     v16f acc = {0};
     int i = 0;
-    for (; i + 16 <= n; i += 16) acc += ld16(a + i) * ld16(b + i);
+    for (; i + 16 <= n; i += 16) MADD16(fx, acc, ld16(a + i), ld16(b + i));
     float t[16];
     memcpy(t, &acc, sizeof t);
-    for (int l = 0; i < n; i++, l++) t[l] += a[i] * b[i];
+    for (int l = 0; i < n; i++, l++) MADD1(fx, t[l], a[i], b[i]);
     memcpy(&acc, t, sizeof t);
     return hsum16(acc);
 }
+static inline float dot16(const float *a, const float *b, int n) { return dot16x(a, b, n, 0); }
 
 /* dot16 of four vectors a[j * as] against one b, interleaved (four independent chains instead of
    one chain's latency): each result is the same sum in the same order as dot16's. */
@@ -409,8 +437,8 @@ static size_t attend_need(int B, int hg, int S, int D) {
 /* scores of two query rows against n cached rows: s0[t] = dot16(qa, row t) * scale, s1[t] likewise
    with qb; eight rows at a time share each load of qa, qb (16 chains), the 16 sums reduced together
    (hsum16x16: each dot16's bits) */
-static inline void scores2(const float *qa, const float *qb, const float *tile, int n, int D, float scale,
-                           float *s0, float *s1) {
+FORCE_INLINE void scores2(const float *qa, const float *qb, const float *tile, int n, int D, float scale,
+                          float *s0, float *s1, const int fx) {
     int t = 0;
     if (D % 16 == 0)
         for (; t + 8 <= n; t += 8) {
@@ -419,8 +447,8 @@ static inline void scores2(const float *qa, const float *qb, const float *tile, 
                 const v16f x = ld16(qa + d), y = ld16(qb + d);
                 for (int i = 0; i < 8; i++) {
                     const v16f k = ld16(tile + (long)(t + i) * D + d);
-                    a[i] += x * k;
-                    a[8 + i] += y * k;
+                    MADD16(fx, a[i], x, k);
+                    MADD16(fx, a[8 + i], y, k);
                 }
             }
             float r[16];
@@ -429,15 +457,15 @@ static inline void scores2(const float *qa, const float *qb, const float *tile, 
             for (int i = 0; i < 8; i++) s0[t + i] = r[i], s1[t + i] = r[8 + i];
         }
     for (; t < n; t++) {
-        s0[t] = dot16(qa, tile + (long)t * D, D) * scale;
-        s1[t] = dot16(qb, tile + (long)t * D, D) * scale;
+        s0[t] = dot16x(qa, tile + (long)t * D, D, fx) * scale;
+        s1[t] = dot16x(qb, tile + (long)t * D, D, fx) * scale;
     }
 }
 
 /* o_j += sum over t < n in order of p_j[t] * row t, for `rows` rows j (o_j at o + j * D, p_j at
    p + j * ps): four rows by four 16-column blocks at a time share each load (16 chains); each
    output column is the running sum in t order that a one-row loop gives */
-static void pv_rows(const float *p, long ps, int rows, const float *tile, int n, int D, float *o) {
+FORCE_INLINE void pv_rows(const float *p, long ps, int rows, const float *tile, int n, int D, float *o, const int fx) {
     int j = 0;
     if (D % 64 == 0)
         for (; j + 4 <= rows; j += 4)
@@ -449,11 +477,11 @@ static void pv_rows(const float *p, long ps, int rows, const float *tile, int n,
                     const float *vt = tile + (long)t * D + d;
                     const v16f v0 = ld16(vt), v1 = ld16(vt + 16), v2 = ld16(vt + 32), v3 = ld16(vt + 48);
                     for (int r = 0; r < 4; r++) {
-                        const float pr = p[(long)(j + r) * ps + t];
-                        acc[r][0] += pr * v0;
-                        acc[r][1] += pr * v1;
-                        acc[r][2] += pr * v2;
-                        acc[r][3] += pr * v3;
+                        const v16f pr = (v16f){0} + p[(long)(j + r) * ps + t];   /* 0 + p is p */
+                        MADD16(fx, acc[r][0], pr, v0);
+                        MADD16(fx, acc[r][1], pr, v1);
+                        MADD16(fx, acc[r][2], pr, v2);
+                        MADD16(fx, acc[r][3], pr, v3);
                     }
                 }
                 for (int r = 0; r < 4; r++)
@@ -465,12 +493,12 @@ static void pv_rows(const float *p, long ps, int rows, const float *tile, int n,
         int d = 0;
         for (; d + 16 <= D; d += 16) {
             v16f acc = ld16(oj + d);
-            for (int t = 0; t < n; t++) acc += pj[t] * ld16(tile + (long)t * D + d);
+            for (int t = 0; t < n; t++) MADD16(fx, acc, (v16f){0} + pj[t], ld16(tile + (long)t * D + d));
             memcpy(oj + d, &acc, sizeof acc);
         }
         for (; d < D; d++) {
             float a = oj[d];
-            for (int t = 0; t < n; t++) a += pj[t] * tile[(long)t * D + d];
+            for (int t = 0; t < n; t++) MADD1(fx, a, pj[t], tile[(long)t * D + d]);
             oj[d] = a;
         }
     }
@@ -485,8 +513,9 @@ static void pv_rows(const float *p, long ps, int rows, const float *tile, int n,
    computed alone in one fixed order (dot16's for a score, softmax_row's, then the sum over
    positions in order), so a token's result is the same bits whichever block, span or thread
    count it is computed with: a prefill row equals the decode step's at its position. */
-static void attend_block(const float *q, long qs, int B, const int *span, const void *kc, const void *vc,
-                         long at, int dtype, int hg, int D, float scale, float *buf, float *out, long os) {
+FORCE_INLINE void attend_block_x(const float *q, long qs, int B, const int *span, const void *kc, const void *vc,
+                                 long at, int dtype, int hg, int D, float scale, float *buf, float *out, long os,
+                                 const int fx) {
     int S = 0;
     for (int b = 0; b < B; b++) S = span[b] > S ? span[b] : S;
     const int R = hg * D;
@@ -506,9 +535,9 @@ static void attend_block(const float *q, long qs, int B, const int *span, const 
             int j = 0;
             for (; j + 2 <= hg; j += 2)
                 scores2(qb + (long)j * D, qb + (long)(j + 1) * D, tile, nb, D, scale, sb + (long)j * Sp,
-                        sb + (long)(j + 1) * Sp);
+                        sb + (long)(j + 1) * Sp, fx);
             for (; j < hg; j++)
-                for (int t = 0; t < nb; t++) sb[j * Sp + t] = dot16(qb + (long)j * D, tile + (long)t * D, D) * scale;
+                for (int t = 0; t < nb; t++) sb[j * Sp + t] = dot16x(qb + (long)j * D, tile + (long)t * D, D, fx) * scale;
         }
     }
     for (int b = 0; b < B; b++) {
@@ -520,11 +549,18 @@ static void attend_block(const float *q, long qs, int B, const int *span, const 
         tile_load(vc, dtype, at, s0, n, S, D, tile);
         for (int b = 0; b < B; b++) {
             const int nb = span[b] - s0 < n ? span[b] - s0 : n;
-            if (nb > 0) pv_rows(sc + (long)b * hg * Sp + s0, Sp, hg, tile, nb, D, out + b * os);
+            if (nb > 0) pv_rows(sc + (long)b * hg * Sp + s0, Sp, hg, tile, nb, D, out + b * os, fx);
         }
     }
     if (dtype == KV_Q8_0)           /* the output back from the values' rotation */
         for (int b = 0; b < B; b++) rotate_rows(out + b * os, hg, D, rot_v_block(D));
+}
+/* attend_block_x with the fused multiply-adds where they are exact (a float16 cache: q and the
+   probabilities are rounded to float16 too), the plain ones otherwise */
+static void attend_block(const float *q, long qs, int B, const int *span, const void *kc, const void *vc,
+                         long at, int dtype, int hg, int D, float scale, float *buf, float *out, long os) {
+    if (dtype == KV_F16) attend_block_x(q, qs, B, span, kc, vc, at, dtype, hg, D, scale, buf, out, os, 1);
+    else attend_block_x(q, qs, B, span, kc, vc, at, dtype, hg, D, scale, buf, out, os, 0);
 }
 
 /* One query token's grouped-query attention over S cached positions: q [H*D]; kc/vc [G, ctx, D]
