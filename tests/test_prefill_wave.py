@@ -88,3 +88,28 @@ def test_the_wave_is_planned_in_o(pack_dir):
     tight, loose = (make_plan(f, budget=budget, context=4096, prefill_wave=w) for w in (2048, 128))
     assert loose.E < f.expert_bytes
     assert tight.E == loose.E - grown and tight.F == loose.F
+
+
+def test_a_wave_asks_one_layer_ahead_as_well_as_two(pack_dir):
+    """Router lookahead inside a wave (auto prefetch, 40%: three layers' blocks fit): before layer
+    l's experts it asks for layer l+2's picks and again for l+1's from the nearer input (the blocks a
+    few tokens each reach, which the lookahead from two layers back missed); a decode step asks for
+    l+2's only. Either way the tokens are those of a run without prefetch."""
+    plain, _ = _run(pack_dir, prefetch="none")
+    rt = Runtime(pack_dir, RuntimeOptions(context=256, prefill_chunk=CHUNK, expert_cache_percent=40,
+                                          prefetch="auto", threads=1))
+    asked, kind = [], []                     # (step kind, layers a lookahead asked for)
+    ask, begin = rt.cache.lookahead, rt.cache.begin_step
+    rt.cache.begin_step = lambda k, n: (kind.append(k), begin(k, n))[1]
+    rt.cache.lookahead = lambda keys: (asked.append((kind[-1], sorted({layer for layer, _ in keys}))), ask(keys))[1]
+    try:
+        got = [e.token for e in generate(rt, PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))]
+    finally:
+        rt.close()
+    assert got == plain
+    n = rt.model.cfg.n_layers
+    wave = [layers for k, layers in asked if k == "prefill"]
+    decode = [layers for k, layers in asked if k == "decode"]
+    assert wave[0] == [1, 2] and wave[1:] == [[l + 1, l + 2] if l + 2 < n else [l + 1] for l in range(1, n - 1)]
+    assert decode and all(len(layers) == 1 or layers == [1, 2] for layers in decode)
+    assert [layers for layers in decode if len(layers) == 1][:n - 3] == [[l + 2] for l in range(1, n - 2)]

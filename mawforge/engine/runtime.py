@@ -27,9 +27,10 @@ from mawforge.plan import PackFacts, Plan, framework_in_process
 
 
 # Router lookahead (on under --prefetch auto): before layer l's experts, layer l+LOOKAHEAD's
-# router is applied to layer l's FFN input and its picks are prefetched (layer 0 also asks for
-# the layers between), so each router runs once a token for the lookahead and a read has two
-# layers of compute to arrive in (one layer's, about 3 ms at full size, is about one block's
+# router is applied to layer l's FFN input and its picks are prefetched (layer 0, and every
+# layer of a prefill wave, also asks for the layers between: models/moe.py), so each router
+# runs once a token for the lookahead and a read has two layers of compute to arrive in (one
+# layer's, about 3 ms at full size, is about one block's
 # read). On the full-size synthetic file (Intel Xeon, 2026-12-01/02) the picks two layers ahead
 # were right for ranks 1-6 in 98-100% of layers, rank 7 in 92%, rank 8 in 72% (one layer ahead:
 # 95% and 78%). Inside 8 GiB, alternating runs of this, one layer ahead, and both (the farther
