@@ -296,12 +296,16 @@ class SeqState:
 
 def decode_loop(eng, first: int, feed: list[int] | None, n: int, warmup: int) -> dict:
     """n one-token steps, teacher-forced over `feed` or greedy from `first`; stall figures as the
-    request telemetry computes them (mawforge.telemetry.StallMeter)."""
+    request telemetry computes them (mawforge.telemetry.StallMeter), and the page faults of the timed
+    steps (first touches of expert-cache slots and scratch, mostly: the warmup's are the cache's
+    first fill)."""
+    import resource
+
     from mawforge.telemetry import StallMeter
-    times, stalls, tok, read0 = [], StallMeter(), first, 0
+    times, stalls, tok, read0, faults0 = [], StallMeter(), first, 0, 0
     for i in range(n):
         if i == warmup:
-            read0 = eng.read_bytes()
+            read0, faults0 = eng.read_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         x = feed[i] if feed is not None else tok
         w0, t0 = eng.wait(), time.perf_counter()
         tok = eng.run([x])
@@ -310,7 +314,8 @@ def decode_loop(eng, first: int, feed: list[int] | None, n: int, warmup: int) ->
             stalls.record(eng.wait() - w0, 1)
     warm = times[warmup:]
     share, p50, p95 = stalls.summary()
-    out = {"decode_tok_s": len(warm) / sum(warm), "stall_token_share": share, "stall_p50_s": p50, "stall_p95_s": p95}
+    out = {"decode_tok_s": len(warm) / sum(warm), "stall_token_share": share, "stall_p50_s": p50, "stall_p95_s": p95,
+           "minor_faults_per_token": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / len(warm)}
     if isinstance(eng, MawEngine):
         out["read_bytes_per_token"] = (eng.read_bytes() - read0) / len(warm)
     return out
@@ -338,11 +343,7 @@ def work(a) -> dict:
     out["prefill_tok_s"] = len(prompt) / out["ttft_s"]
     out["context_at_decode"] = a.fill_context + len(prompt)
     out["prefill_read_bytes"], out["prefill_needed_bytes"] = eng.read_bytes() - read0, eng.needed_bytes()
-    import resource
-    faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     out.update(decode_loop(eng, first, rand_tokens(a.decode_tokens, 2), a.decode_tokens, a.warmup))
-    # page faults a decode token took (first touches of expert-cache slots and scratch, mostly)
-    out["minor_faults_per_token"] = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / a.decode_tokens
     out["teacher_forced"] = eng.report()
     greedy = {}
     for cls in [c for c in a.classes.split(",") if c]:
