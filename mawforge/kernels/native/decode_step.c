@@ -477,7 +477,7 @@ FORCE_INLINE void pv_rows(const float *p, long ps, int rows, const float *tile, 
                     const float *vt = tile + (long)t * D + d;
                     const v16f v0 = ld16(vt), v1 = ld16(vt + 16), v2 = ld16(vt + 32), v3 = ld16(vt + 48);
                     for (int r = 0; r < 4; r++) {
-                        const v16f pr = (v16f){0} + p[(long)(j + r) * ps + t];   /* 0 + p is p */
+                        const v16f pr = p[(long)(j + r) * ps + t] - (v16f){0};   /* p in every lane (p - 0 is p) */
                         MADD16(fx, acc[r][0], pr, v0);
                         MADD16(fx, acc[r][1], pr, v1);
                         MADD16(fx, acc[r][2], pr, v2);
@@ -493,7 +493,7 @@ FORCE_INLINE void pv_rows(const float *p, long ps, int rows, const float *tile, 
         int d = 0;
         for (; d + 16 <= D; d += 16) {
             v16f acc = ld16(oj + d);
-            for (int t = 0; t < n; t++) MADD16(fx, acc, (v16f){0} + pj[t], ld16(tile + (long)t * D + d));
+            for (int t = 0; t < n; t++) MADD16(fx, acc, pj[t] - (v16f){0}, ld16(tile + (long)t * D + d));
             memcpy(oj + d, &acc, sizeof acc);
         }
         for (; d < D; d++) {
