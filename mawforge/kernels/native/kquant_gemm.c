@@ -543,21 +543,25 @@ FORCE_INLINE void dot4_q0(const uint8_t *w, int nb, const qrow *x, float *out, c
 }
 static void dot4_q80(const uint8_t *w, int nb, const qrow *x, float *out) { dot4_q0(w, nb, x, out, 0); }
 static void dot4_q40(const uint8_t *w, int nb, const qrow *x, float *out) { dot4_q0(w, nb, x, out, 1); }
-/* ---- prefill on AVX-512 VNNI: a panel of weight rows unpacked once, tiles of two rows by four tokens ----
+/* ---- prefill: a panel of weight rows unpacked once, tiles of two rows by four tokens ----------
    The four-token kernels unpack each weight block (nibbles, scale shuffles) once per four tokens
    and spend as many instructions on each block's float tail as on its products: at M = 512 they
    ran at half the speed of ggml's tiled mul_mat on AMD Zen 4 (benchmarks/kernels.py). Here a
    panel of Q4_K or Q6_K rows is unpacked once for every token of the call: each block as eight
-   runs of 32 codes (bytes; Q6_K's six bits put together) and each run's scales as int16. Each
-   group of four tokens is laid out as two pairs, a run of both tokens of a pair in one 512-bit
-   register (token 2p low, 2p + 1 high), so one vpmaddubsw + vpdpwssd against a run of codes
-   broadcast to both halves adds that run into both tokens' eight int32 lanes at once; those lanes
-   hold exactly what the AVX2 kernel's madd lanes add up to (integers are exact), and the float
-   tail takes the same operations in the same order per lane, so every result is the same bits
-   (tests/test_native_prefill.py). Not built under the VNNI emulation, which defines only the
-   four-token kernels' operations. */
-#if VNNI512 && !defined(MAWFORGE_VNNI_EMU)
-#define PANEL_VNNI 1
+   runs of 32 codes (bytes; Q6_K's six bits put together) and each run's scales as int16. Then
+   every group of four tokens meets the panel two rows at a time.
+   AVX-512 VNNI: each group of four tokens is laid out as two pairs, a run of both tokens of a pair
+   in one 512-bit register (token 2p low, 2p + 1 high), so one vpmaddubsw + vpdpwssd against a run
+   of codes broadcast to both halves adds that run into both tokens' eight int32 lanes at once.
+   AVX2: each run of codes is loaded once for four tokens and each token's run of x once for two
+   rows; maddubs + madd against the run's scale as the four-token kernel's, and the per-block float
+   terms (token scales broadcast, Q4_K's mins two tokens a register) prepared once per group.
+   In both the int32 lanes hold exactly what the AVX2 kernel's madd lanes add up to (integers are
+   exact), and the float tail takes the same operations in the same order per lane, so every
+   result is the same bits (tests/test_native_prefill.py). Not built under the VNNI emulation,
+   which defines only the four-token kernels' operations. */
+#if !defined(MAWFORGE_VNNI_EMU)
+#define PANEL 1
 typedef struct {            /* one Q4_K block of one weight row, unpacked (320 bytes) */
     uint8_t q[8][32];       /* sub-block s's 32 codes */
     int32_t sc[8];          /* its scale as int16, twice (a 32-bit broadcast fills 32 lanes) */
@@ -570,14 +574,6 @@ typedef struct {            /* one Q6_K block of one weight row, unpacked (576 b
     int16_t sc16[16];       /* the sixteen scales in order (for the offset term) */
     float d;
 } __attribute__((aligned(64))) k6blk;
-typedef struct {            /* one block of four tokens (1408 bytes) */
-    __m512i x[2][8];        /* pair p, run s: token 2p's 32 bytes of x, then 2p + 1's */
-    __m512 dx01, dx23;      /* token scales: tokens 0 | 1, 2 | 3, eight lanes each */
-    __m512 dx4;             /* token t's scale in lanes 4t .. 4t + 3 (Q4_K's mins) */
-    __m512i bs;             /* Q4_K: token t's eight sub-block sums (int16) in 128-bit lane t */
-    __m512i bs6[2];         /* Q6_K: the sixteen sums of pair p's tokens, one per 256-bit half */
-} kgrp;
-
 static void k4_unpack(const uint8_t *w, long rb, int nb, int rows, void *panel) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
     k4blk *out = (k4blk *)panel;
@@ -627,6 +623,15 @@ static void k6_unpack(const uint8_t *w, long rb, int nb, int rows, void *panel) 
             }
         }
 }
+
+#if VNNI512
+typedef struct {            /* one block of four tokens (1408 bytes) */
+    __m512i x[2][8];        /* pair p, run s: token 2p's 32 bytes of x, then 2p + 1's */
+    __m512 dx01, dx23;      /* token scales: tokens 0 | 1, 2 | 3, eight lanes each */
+    __m512 dx4;             /* token t's scale in lanes 4t .. 4t + 3 (Q4_K's mins) */
+    __m512i bs;             /* Q4_K: token t's eight sub-block sums (int16) in 128-bit lane t */
+    __m512i bs6[2];         /* Q6_K: the sixteen sums of pair p's tokens, one per 256-bit half */
+} kgrp;
 
 static inline __m512 two8(float a, float b) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(a)),
@@ -730,12 +735,129 @@ static void k6_tile(const void *pa, const void *pb, int nb, const kgrp *g, float
     k_out(acc, 0, o);
 }
 
+#else
+typedef struct {            /* one block of four tokens, AVX2 (288 bytes) */
+    __m256 xd[4];           /* token t's scale in every lane */
+    __m256 dx01, dx23;      /* Q4_K's mins: tokens 0 | 1 (2 | 3) scales, four lanes each */
+    __m256i bs01, bs23;     /* Q4_K: tokens 0 | 1 (2 | 3) eight sums of 32 (int16), a 128-bit lane each */
+    const int8_t *q[4];     /* token t's 256 values of x in this block */
+    const int16_t *bs[4];   /* token t's sixteen sums of 16 (Q6_K's offset term) */
+} __attribute__((aligned(32))) kgrp;
+
+static void k_group(const qrow *x, int nb, kgrp *g) {
+    for (int b = 0; b < nb; b++) {
+        __m128i s[4];
+        for (int t = 0; t < 4; t++) {
+            const int16_t *bs = x[t].bs + b * 16;
+            g[b].xd[t] = _mm256_set1_ps(x[t].d[b]);
+            g[b].q[t] = x[t].q + b * QK;
+            g[b].bs[t] = bs;
+            s[t] = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bs), _mm_loadu_si128((const __m128i *)(bs + 8)));
+        }
+        g[b].dx01 = _mm256_setr_ps(x[0].d[b], x[0].d[b], x[0].d[b], x[0].d[b], x[1].d[b], x[1].d[b], x[1].d[b], x[1].d[b]);
+        g[b].dx23 = _mm256_setr_ps(x[2].d[b], x[2].d[b], x[2].d[b], x[2].d[b], x[3].d[b], x[3].d[b], x[3].d[b], x[3].d[b]);
+        g[b].bs01 = _mm256_inserti128_si256(_mm256_castsi128_si256(s[0]), s[1], 1);
+        g[b].bs23 = _mm256_inserti128_si256(_mm256_castsi128_si256(s[2]), s[3], 1);
+    }
+}
+
+/* o[4 r + t] from the float accumulators acc[r][t], Q4_K's mins (tokens 2p, 2p + 1 in the halves of
+   accm[r][p]) subtracted where there are any */
+static inline void k_out2(const __m256 acc[2][4], const __m256 accm[2][2], int mins, float *o) {
+    for (int r = 0; r < 2; r++)
+        for (int t = 0; t < 4; t++) {
+            const __m256 m = accm[r][t / 2];
+            o[4 * r + t] = hsum_ps(acc[r][t]) - (mins ? hsum_ps128(t % 2 ? _mm256_extractf128_ps(m, 1) : _mm256_castps256_ps128(m)) : 0.f);
+        }
+}
+
+/* the runs of rows a and b against the four tokens of G: sumi[r][t] += each run's madd lanes. The
+   run's scales: Q4_K one int16 broadcast (sc4: the int32 pair), Q6_K sixteen lanes (sc6) */
+FORCE_INLINE void k_runs(__m256i sumi[2][4], const uint8_t *qa, const uint8_t *qb, const int32_t *sca, const int32_t *scb,
+                         const int16_t *s6a, const int16_t *s6b, const kgrp *G) {
+    for (int s = 0; s < 8; s++) {
+        const __m256i w[2] = {_mm256_load_si256((const __m256i *)(qa + 32 * s)), _mm256_load_si256((const __m256i *)(qb + 32 * s))};
+        const __m256i sc[2] = {sca ? _mm256_set1_epi32(sca[s]) : _mm256_load_si256((const __m256i *)(s6a + 16 * s)),
+                               scb ? _mm256_set1_epi32(scb[s]) : _mm256_load_si256((const __m256i *)(s6b + 16 * s))};
+        for (int t = 0; t < 4; t++) {
+            const __m256i xs = _mm256_loadu_si256((const __m256i *)(G->q[t] + 32 * s));
+            for (int r = 0; r < 2; r++)
+                sumi[r][t] = _mm256_add_epi32(sumi[r][t], _mm256_madd_epi16(_mm256_maddubs_epi16(w[r], xs), sc[r]));
+        }
+    }
+}
+
+/* Q4_K rows a and b (unpacked, nb blocks each) against the four tokens of g: o[4 r + t] */
+static void k4_tile(const void *pa, const void *pb, int nb, const kgrp *g, float *o) {
+    const k4blk *a = (const k4blk *)pa, *b = (const k4blk *)pb;
+    __m256 acc[2][4], accm[2][2];
+    for (int r = 0; r < 2; r++) {
+        for (int t = 0; t < 4; t++) acc[r][t] = _mm256_setzero_ps();
+        accm[r][0] = accm[r][1] = _mm256_setzero_ps();
+    }
+    for (int k = 0; k < nb; k++) {
+        const k4blk *R[2] = {a + k, b + k};
+        const kgrp *G = g + k;
+        __m256i sumi[2][4];
+        for (int r = 0; r < 2; r++) for (int t = 0; t < 4; t++) sumi[r][t] = _mm256_setzero_si256();
+        k_runs(sumi, R[0]->q[0], R[1]->q[0], R[0]->sc, R[1]->sc, 0, 0, G);
+        for (int r = 0; r < 2; r++) {
+            const __m256 dv = _mm256_set1_ps(R[r]->d), mv = _mm256_set1_ps(R[r]->dmin);
+            for (int t = 0; t < 4; t++)
+                acc[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(dv, G->xd[t]), _mm256_cvtepi32_ps(sumi[r][t]), acc[r][t]);
+            const __m256i mn = _mm256_broadcastsi128_si256(R[r]->mn);
+            accm[r][0] = _mm256_fmadd_ps(_mm256_mul_ps(mv, G->dx01), _mm256_cvtepi32_ps(_mm256_madd_epi16(mn, G->bs01)), accm[r][0]);
+            accm[r][1] = _mm256_fmadd_ps(_mm256_mul_ps(mv, G->dx23), _mm256_cvtepi32_ps(_mm256_madd_epi16(mn, G->bs23)), accm[r][1]);
+        }
+    }
+    k_out2(acc, accm, 1, o);
+}
+
+/* Q6_K rows a and b against the four tokens of g, as k4_tile (the offset term: 32 x scale x sum
+   of 16, subtracted in integers, as the four-token kernel starts its sums) */
+static void k6_tile(const void *pa, const void *pb, int nb, const kgrp *g, float *o) {
+    const k6blk *a = (const k6blk *)pa, *b = (const k6blk *)pb;
+    __m256 acc[2][4], accm[2][2];
+    for (int r = 0; r < 2; r++) {
+        for (int t = 0; t < 4; t++) acc[r][t] = _mm256_setzero_ps();
+        accm[r][0] = accm[r][1] = _mm256_setzero_ps();
+    }
+    for (int k = 0; k < nb; k++) {
+        const k6blk *R[2] = {a + k, b + k};
+        const kgrp *G = g + k;
+        __m256i sumi[2][4];
+        for (int r = 0; r < 2; r++) {
+            const __m256i s16 = _mm256_load_si256((const __m256i *)R[r]->sc16);
+            for (int t = 0; t < 4; t++)
+                sumi[r][t] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(
+                    _mm256_madd_epi16(s16, _mm256_loadu_si256((const __m256i *)G->bs[t])), 5));
+        }
+        k_runs(sumi, R[0]->q[0], R[1]->q[0], 0, 0, R[0]->sc[0], R[1]->sc[0], G);
+        for (int r = 0; r < 2; r++) {
+            const __m256 dv = _mm256_set1_ps(R[r]->d);
+            for (int t = 0; t < 4; t++)
+                acc[r][t] = _mm256_fmadd_ps(_mm256_mul_ps(dv, G->xd[t]), _mm256_cvtepi32_ps(sumi[r][t]), acc[r][t]);
+        }
+    }
+    k_out2(acc, accm, 0, o);
+}
+#endif
+
 typedef void (*unpack_fn)(const uint8_t *, long, int, int, void *);
 typedef void (*tile_fn)(const void *, const void *, int, const kgrp *, float *);
-/* the panel kernels of a type: block bytes unpacked, unpack, tile (0: none) */
-static size_t panel_kernels(int type, unpack_fn *unpack, tile_fn *tile) {
-    if (type == T_Q4_K) { *unpack = k4_unpack; *tile = k4_tile; return sizeof(k4blk); }
-    if (type == T_Q6_K) { *unpack = k6_unpack; *tile = k6_tile; return sizeof(k6blk); }
+/* The panel kernels of a type for M tokens: block bytes unpacked, unpack, tile (0: none, or too few
+   tokens to pay for the unpacking). Where the tiles first beat the four-token kernels, in
+   same-process alternating runs (benchmarks/kernels.py shapes): AVX-512 VNNI from M = 6 for both
+   types (AMD Zen 5); AVX2 from M = 8 for Q4_K and 24 for Q6_K (AMD Zen 3: at M = 16 Q6_K's tile was
+   still 4% slower, at 24-48 10% faster, Q4_K's 6-15% faster from 8). */
+#if VNNI512
+enum { K4_MIN_TOKENS = 6, K6_MIN_TOKENS = 6 };
+#else
+enum { K4_MIN_TOKENS = 8, K6_MIN_TOKENS = 24 };
+#endif
+static size_t panel_kernels(int type, int M, unpack_fn *unpack, tile_fn *tile) {
+    if (type == T_Q4_K && M >= K4_MIN_TOKENS) { *unpack = k4_unpack; *tile = k4_tile; return sizeof(k4blk); }
+    if (type == T_Q6_K && M >= K6_MIN_TOKENS) { *unpack = k6_unpack; *tile = k6_tile; return sizeof(k6blk); }
     return 0;
 }
 
@@ -744,7 +866,6 @@ static _Thread_local uint8_t *k_panel = 0;
 static _Thread_local size_t k_panel_n = 0;
 static uint8_t *k_panel_for(size_t n) { return grow_only(&k_panel, &k_panel_n, n); }
 #define K_PANEL_BYTES (160 * 1024)
-#define K_MIN_TOKENS 6
 #endif
 
 int simd_path(void) { return 1; }
@@ -907,8 +1028,8 @@ static inline void put4(float *const *yr, int m, int n, int y0, const float *sca
     putn(yr, m, n, y0, scale, o, 4);
 }
 
-#if PANEL_VNNI
-/* gemm_rows for Q4_K and Q6_K on AVX-512 VNNI: each panel of rows unpacked once, then every group
+#if PANEL
+/* gemm_rows for Q4_K and Q6_K: each panel of rows unpacked once, then every group
    of four tokens meets it two rows at a time (k4_tile / k6_tile); an odd last row takes dot4, two
    or three tokens beyond a multiple of four a padded group, one token the one-token kernels, so
    every element keeps its bits. */
@@ -963,13 +1084,12 @@ static void gemm_rows_panel(size_t blk, unpack_fn unpack, tile_fn tile, dot_fn d
    prompt are ~1.1 MiB). The rows of x left over (M % 4) run the one-token kernels, two weight
    rows at a time where the type has a two-row kernel. Every element is the same float
    computation as the one-token, one-row kernel's (ggml's order), so blocking changes no bit.
-   Q4_K and Q6_K on AVX-512 VNNI with six tokens or more go through gemm_rows_panel (from M = 6 it beat
-   the four-token kernels on Zen 5). */
+   Q4_K and Q6_K rows against enough tokens go through gemm_rows_panel (panel_kernels says how many). */
 static void gemm_rows(int type, dot_fn dot, dot4_fn dot4, dot2_fn dot2, const uint8_t *w, long rb, int nb, int n0,
                       int n1, const qrow *xr, int M, float *const *yr, int y0, const float *scale) {
-#if PANEL_VNNI
+#if PANEL
     unpack_fn unpack; tile_fn tile;
-    const size_t blk = M >= K_MIN_TOKENS && dot4 ? panel_kernels(type, &unpack, &tile) : 0;
+    const size_t blk = dot4 ? panel_kernels(type, M, &unpack, &tile) : 0;
     if (blk) {
         gemm_rows_panel(blk, unpack, tile, dot, dot4, dot2, w, rb, nb, n0, n1, xr, M, yr, y0, scale);
         return;
