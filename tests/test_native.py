@@ -186,7 +186,8 @@ def test_every_build_attends_and_routes_to_the_same_bits(tmp_path, march):
     cache["q8_0"] = tuple(q8_0.quantize(torch.randn(2, 40, 64, generator=g)) for _ in range(2))
     qs = torch.randn(7, 8, 64, generator=g)
     x, w = torch.randn(1, 96, generator=g), torch.randn(24, 96, generator=g)
-    # float16, three heads a group of 72 (no multiple of 16 or 64): the kernels' one-row and tail loops
+    # float16, three heads a group of 72 (no multiple of 16 or 64): the kernels' one-row and tail loops;
+    # and q times 60 (scores hundreds apart: exp's underflow to 0 in the softmax)
     odd = {"q": torch.randn(1, 6, 72, generator=g), "qs": torch.randn(7, 6, 72, generator=g),
            "k": torch.randn(2, 40, 72, generator=g).half(), "v": torch.randn(2, 40, 72, generator=g).half()}
     torch.save({"q": q, "qs": qs, "cache": cache, "x": x, "w": w, "odd": odd}, tmp_path / "in.pt")
@@ -198,6 +199,7 @@ def test_every_build_attends_and_routes_to_the_same_bits(tmp_path, march):
             " for dt, (k, v) in d['cache'].items()});"
             "out['route'] = native.route_topk(d['x'], d['w'], 5, True);"
             "o = d['odd']; out['odd'] = native.attend_one(o['q'], o['k'][:, :33], o['v'][:, :33], 0.125);"
+            "k, v = d['cache']['float32']; out['big'] = native.attend_rows(d['qs'] * 60, k[:, :37], v[:, :37], 0.125);"
             "out['odd-rows'] = native.attend_rows(o['qs'], o['k'][:, :37], o['v'][:, :37], 0.125);"
             "torch.save(out, sys.argv[1] + '/out.pt')")
     env = dict(os.environ, MAWFORGE_NATIVE_MARCH=march, MAWFORGE_CACHE=str(tmp_path / "cache"))
@@ -218,6 +220,8 @@ def test_every_build_attends_and_routes_to_the_same_bits(tmp_path, march):
             assert torch.equal(native.attend_one(odd["q"], odd["k"][:, :33], odd["v"][:, :33], 0.125), portable["odd"])
             assert torch.equal(native.attend_rows(odd["qs"], odd["k"][:, :37], odd["v"][:, :37], 0.125),
                                portable["odd-rows"])
+            k, v = cache["float32"]
+            assert torch.equal(native.attend_rows(qs * 60, k[:, :37], v[:, :37], 0.125), portable["big"])
     finally:
         native.set_thread_limit(None)
     # and the softmax top-k is the one torch computes, to float32 rounding

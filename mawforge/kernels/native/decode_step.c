@@ -236,6 +236,12 @@ typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));   /*
 #else
 #define MADD1(fx, acc, a, b) ((acc) += (a) * (b))
 #endif
+/* AVX2 with FMA and no AVX-512: the attention's kernels written out on 8-lane registers (below) */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define ATT_AVX2 1
+#else
+#define ATT_AVX2 0
+#endif
 /* the lanes summed pairwise (8 + 8, 4 + 4, 2 + 2, 1 + 1): one fixed order */
 #define hsum16(a) hsum16_of(&(a))
 static inline float hsum16_of(const v16f *a) {
@@ -352,6 +358,75 @@ static inline v16f exp16(v16f x) {
     return (v16f)((v16i)(p * (v16f)e) & ~under);
 }
 
+#if ATT_AVX2
+/* exp16's operations on eight lanes (the same bits: no FMA, the same constants and order) */
+static inline __m256 exp8(__m256 x) {
+    const __m256 cut = _mm256_set1_ps(-87.3365447f), magic = _mm256_set1_ps(12582912.0f);
+    const __m256 under = _mm256_cmp_ps(x, cut, _CMP_LT_OQ);
+    const __m256 xc = _mm256_blendv_ps(x, cut, under);
+    const __m256 nf = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)), magic), magic);
+    const __m256 r = _mm256_sub_ps(_mm256_sub_ps(xc, _mm256_mul_ps(nf, _mm256_set1_ps(0.693359375f))),
+                                   _mm256_mul_ps(nf, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 p = _mm256_add_ps(_mm256_mul_ps(r, _mm256_set1_ps(1.9875691500e-4f)), _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(nf), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* softmax_row (below) on 8-lane registers, each 16-lane step as two: the same values in the same
+   order (GCC left the generic max loop scalar here, a fifth of the attention's time) */
+static void softmax_row(float *p, int S, int dtype) {
+    float m = -INFINITY;
+    int s = 0;
+    if (S >= 16) {
+        __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0;
+        for (; s + 16 <= S; s += 16) {
+            const __m256 x0 = _mm256_loadu_ps(p + s), x1 = _mm256_loadu_ps(p + s + 8);
+            m0 = _mm256_blendv_ps(m0, x0, _mm256_cmp_ps(x0, m0, _CMP_GT_OQ));
+            m1 = _mm256_blendv_ps(m1, x1, _mm256_cmp_ps(x1, m1, _CMP_GT_OQ));
+        }
+        float t[16];
+        _mm256_storeu_ps(t, m0);
+        _mm256_storeu_ps(t + 8, m1);
+        for (int l = 0; l < 16; l++) m = t[l] > m ? t[l] : m;
+    }
+    for (; s < S; s++) m = p[s] > m ? p[s] : m;
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    for (s = 0; s + 16 <= S; s += 16) {
+        const __m256 e0 = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + s), mv));
+        const __m256 e1 = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + s + 8), mv));
+        _mm256_storeu_ps(p + s, e0);
+        _mm256_storeu_ps(p + s + 8, e1);
+        a0 = _mm256_add_ps(a0, e0);
+        a1 = _mm256_add_ps(a1, e1);
+    }
+    float t[16];
+    _mm256_storeu_ps(t, a0);
+    _mm256_storeu_ps(t + 8, a1);
+    if (s < S) {
+        float xs[16] = {0};
+        for (int i = 0; s + i < S; i++) xs[i] = p[s + i] - m;
+        _mm256_storeu_ps(xs, exp8(_mm256_loadu_ps(xs)));
+        _mm256_storeu_ps(xs + 8, exp8(_mm256_loadu_ps(xs + 8)));
+        for (int i = 0; s + i < S; i++) { p[s + i] = xs[i]; t[i] += xs[i]; }
+    }
+    for (int w = 8; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) t[l] += t[l + w];
+    const float sum = t[0];
+    const __m256 sv = _mm256_set1_ps(sum);
+    for (s = 0; s + 16 <= S; s += 16) {
+        _mm256_storeu_ps(p + s, _mm256_div_ps(_mm256_loadu_ps(p + s), sv));
+        _mm256_storeu_ps(p + s + 8, _mm256_div_ps(_mm256_loadu_ps(p + s + 8), sv));
+    }
+    for (; s < S; s++) p[s] = p[s] / sum;
+    if (!is_q8(dtype)) round_row(dtype, p, S);
+}
+#else
 /* p [S] scores -> softmax probabilities (max subtracted, float32), rounded to a float cache's dtype:
    16 lanes at a time (the sum in 16 lanes, then pairwise: one fixed order), the tail one by one */
 static void softmax_row(float *p, int S, int dtype) {
@@ -400,6 +475,7 @@ static void softmax_row(float *p, int S, int dtype) {
     for (; s < S; s++) p[s] = p[s] / sum;
     if (!is_q8(dtype)) round_row(dtype, p, S);   /* q8_0: float32, as ggml's flash attention keeps them */
 }
+#endif
 
 /* cache rows converted to float32 at a time: 32 x D floats (16 KiB at D 128) leave L1 room for the rows
    tile_load prefetches; 64 made a 48-layer decode step's attention 14-27% slower, 16 slowed prefill */
@@ -434,6 +510,96 @@ static size_t attend_need(int B, int hg, int S, int D) {
     return up16((size_t)B * hg * D) + (size_t)B * hg * up16(S) + up16((size_t)ATT_TILE * D);
 }
 
+#if ATT_AVX2
+/* AVX2: the same two kernels with each 16-lane value as two 8-lane registers (lanes 0-7, 8-15),
+   written out: GCC's 16-lane vector code blocked as for AVX-512 needs 32 of AVX2's 16 registers and
+   ran at a fifth of the multiply-adds' rate (AMD Zen 3: half of ggml's attention speed). The same
+   operations on every lane in the same order, so the same bits as the generic code. */
+#define MADD8(fx, acc, a, b) ((acc) = (fx) ? _mm256_fmadd_ps((a), (b), (acc)) : _mm256_add_ps((acc), _mm256_mul_ps((a), (b))))
+
+/* hsum16 of eight 16-lane values (halves lo[i], hi[i]) -> lane i: 8 + 8, 4 + 4, 2 + 2, 1 + 1 */
+static inline __m256 hsum16x8(const __m256 *lo, const __m256 *hi) {
+    __m256 s[8], t[4], u[2];
+    for (int i = 0; i < 8; i++) s[i] = _mm256_add_ps(lo[i], hi[i]);
+    for (int i = 0; i < 4; i++)           /* lanes 0-3: s[2i]'s l + (l + 4); 4-7: s[2i + 1]'s */
+        t[i] = _mm256_add_ps(_mm256_permute2f128_ps(s[2 * i], s[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(s[2 * i], s[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++)           /* l + (l + 2): each 128-bit lane [t[2i] 0, 1, t[2i + 1] 0, 1] */
+        u[i] = _mm256_add_ps(_mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm256_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+    /* 1 + 1: values 0, 2, 4, 6 in the low 128 bits, 1, 3, 5, 7 in the high, then in order */
+    const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], 0x88), _mm256_shuffle_ps(u[0], u[1], 0xDD));
+    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+FORCE_INLINE void scores2(const float *qa, const float *qb, const float *tile, int n, int D, float scale,
+                          float *s0, float *s1, const int fx) {
+    int t = 0;
+    if (D % 16 == 0)
+        for (; t + 8 <= n; t += 8) {
+            __m256 lo[16], hi[16];             /* [i]: qa . row t + i; [8 + i]: qb . row t + i */
+            for (int i0 = 0; i0 < 8; i0 += 2) {   /* two rows at a time: 8 accumulators */
+                __m256 c[8];
+                for (int z = 0; z < 8; z++) c[z] = _mm256_setzero_ps();
+                const float *k0 = tile + (long)(t + i0) * D, *k1 = k0 + D;
+                for (int d = 0; d < D; d += 16) {
+                    const __m256 x0 = _mm256_loadu_ps(qa + d), x1 = _mm256_loadu_ps(qa + d + 8);
+                    const __m256 y0 = _mm256_loadu_ps(qb + d), y1 = _mm256_loadu_ps(qb + d + 8);
+                    const __m256 a0 = _mm256_loadu_ps(k0 + d), a1 = _mm256_loadu_ps(k0 + d + 8);
+                    MADD8(fx, c[0], x0, a0); MADD8(fx, c[1], x1, a1); MADD8(fx, c[4], y0, a0); MADD8(fx, c[5], y1, a1);
+                    const __m256 b0 = _mm256_loadu_ps(k1 + d), b1 = _mm256_loadu_ps(k1 + d + 8);
+                    MADD8(fx, c[2], x0, b0); MADD8(fx, c[3], x1, b1); MADD8(fx, c[6], y0, b0); MADD8(fx, c[7], y1, b1);
+                }
+                lo[i0] = c[0], hi[i0] = c[1], lo[i0 + 1] = c[2], hi[i0 + 1] = c[3];
+                lo[8 + i0] = c[4], hi[8 + i0] = c[5], lo[9 + i0] = c[6], hi[9 + i0] = c[7];
+            }
+            const __m256 sv = _mm256_set1_ps(scale);
+            _mm256_storeu_ps(s0 + t, _mm256_mul_ps(hsum16x8(lo, hi), sv));
+            _mm256_storeu_ps(s1 + t, _mm256_mul_ps(hsum16x8(lo + 8, hi + 8), sv));
+        }
+    for (; t < n; t++) {
+        s0[t] = dot16x(qa, tile + (long)t * D, D, fx) * scale;
+        s1[t] = dot16x(qb, tile + (long)t * D, D, fx) * scale;
+    }
+}
+
+/* four rows by 16 columns at a time (8 accumulators), each column's running sum in t order */
+FORCE_INLINE void pv_rows(const float *p, long ps, int rows, const float *tile, int n, int D, float *o, const int fx) {
+    int j = 0;
+    if (D % 16 == 0)
+        for (; j + 4 <= rows; j += 4)
+            for (int d = 0; d < D; d += 16) {
+                __m256 acc[4][2];
+                for (int r = 0; r < 4; r++)
+                    for (int c = 0; c < 2; c++) acc[r][c] = _mm256_loadu_ps(o + (long)(j + r) * D + d + 8 * c);
+                for (int t = 0; t < n; t++) {
+                    const float *vt = tile + (long)t * D + d;
+                    const __m256 v0 = _mm256_loadu_ps(vt), v1 = _mm256_loadu_ps(vt + 8);
+                    for (int r = 0; r < 4; r++) {
+                        const __m256 pr = _mm256_broadcast_ss(p + (long)(j + r) * ps + t);
+                        MADD8(fx, acc[r][0], pr, v0);
+                        MADD8(fx, acc[r][1], pr, v1);
+                    }
+                }
+                for (int r = 0; r < 4; r++)
+                    for (int c = 0; c < 2; c++) _mm256_storeu_ps(o + (long)(j + r) * D + d + 8 * c, acc[r][c]);
+            }
+    for (; j < rows; j++) {
+        const float *pj = p + (long)j * ps;
+        float *oj = o + (long)j * D;
+        int d = 0;
+        for (; d + 16 <= D; d += 16) {
+            v16f acc = ld16(oj + d);
+            for (int t = 0; t < n; t++) MADD16(fx, acc, pj[t] - (v16f){0}, ld16(tile + (long)t * D + d));
+            memcpy(oj + d, &acc, sizeof acc);
+        }
+        for (; d < D; d++) {
+            float a = oj[d];
+            for (int t = 0; t < n; t++) MADD1(fx, a, pj[t], tile[(long)t * D + d]);
+            oj[d] = a;
+        }
+    }
+}
+#else
 /* scores of two query rows against n cached rows: s0[t] = dot16(qa, row t) * scale, s1[t] likewise
    with qb; eight rows at a time share each load of qa, qb (16 chains), the 16 sums reduced together
    (hsum16x16: each dot16's bits) */
@@ -503,6 +669,7 @@ FORCE_INLINE void pv_rows(const float *p, long ps, int rows, const float *tile, 
         }
     }
 }
+#endif
 
 /* B query tokens' hg rows of one kv group against that group's cache, as models/base.attend
    computes each token: q rounded to the cache dtype (q8_0: rotated as the keys, then through q8_0),
