@@ -45,8 +45,8 @@ from common import PY, machine, save  # noqa: E402
 HERE = Path(__file__).resolve().parent
 STEPS = ("attention", "prompt", "context", "chat", "chat0", "chat8")
 # (family, model) -> the name these sessions use; others print as family/model
-KNOWN_CPUS = {(25, 17): "AMD EPYC (Zen 4)", (26, 2): "AMD EPYC (Zen 5)", (6, 143): "Intel Xeon (Sapphire Rapids)",
-              (6, 207): "Intel Xeon (Emerald Rapids)"}
+KNOWN_CPUS = {(25, 1): "AMD EPYC (Zen 3)", (25, 17): "AMD EPYC (Zen 4)", (26, 2): "AMD EPYC (Zen 5)",
+              (6, 143): "Intel Xeon (Sapphire Rapids)", (6, 207): "Intel Xeon (Emerald Rapids)"}
 
 
 def cpu_kind(cpuinfo: str | None = None) -> dict:
