@@ -84,7 +84,10 @@ def test_q8_0_kv_cache_agrees_with_llama_cpp_q8_0(sources, case):
     heads of 64 here; tests/test_native.py pins the bytes, the rotation and the attention). The two
     then differ by float32 order and the 8-bit roundings it flips: measured max |diff| 1.9e-6 -
     7e-2, at most 0.09 of how far q8_0 itself moves llama.cpp's logits from its float16 cache's
-    (8e-3 - 0.86; bound 0.15); top-1 equal at every position.
+    (8e-3 - 0.86; bound 0.15); top-1 equal at every position on AVX-512 CPUs. On AMD Zen 3 (AVX2,
+    where ggml sums its q8_0 dot products in another order) llama4_text's rows differ by 1.4e-3 and
+    one position of 40 in a near-tie flips: top-1 is held equal wherever llama.cpp's two best logits
+    are more than twice the largest difference apart (and that must be 90% of the positions).
     With llama.cpp's rotation off (LLAMA_ATTN_ROT_DISABLE) the rows of heads of 64 differ by
     0.05-0.1, printed with -s. (DeepSeek's latent rows of 80 values take no q8_0 cache:
     test_prompt_cache_rows.)"""
@@ -105,7 +108,14 @@ def test_q8_0_kv_cache_agrees_with_llama_cpp_q8_0(sources, case):
     print(f"{case.arch} q8_0: max |diff| {diff:.1e}, top-1 {agree:.3f}; q8_0 against float16 {effect:.1e}; "
           f"llama.cpp's rotation off: {np.abs(got - unrotated).max():.1e}")
     assert diff <= 0.15 * effect
-    assert agree == 1.0
+    # top-1 equal wherever llama.cpp's two best logits are further apart than the two engines'
+    # largest difference: only there can float32 order not flip the pick
+    top2 = np.sort(ref, -1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 2 * diff
+    print(f"  top-1 {(got.argmax(-1) == ref.argmax(-1))[clear].mean():.3f} over {clear.sum()} of {len(clear)} "
+          f"positions whose margin exceeds 2 x max |diff|; the least margin {(top2[:, 1] - top2[:, 0]).min():.1e}")
+    assert clear.mean() >= 0.9
+    assert (got.argmax(-1) == ref.argmax(-1))[clear].all()
 
 
 @pytest.mark.parametrize("case", rows(lambda c: c.llama), ids=lambda c: c.id)
