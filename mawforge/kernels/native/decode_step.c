@@ -510,6 +510,26 @@ static size_t attend_need(int B, int hg, int S, int D) {
     return up16((size_t)B * hg * D) + (size_t)B * hg * up16(S) + up16((size_t)ATT_TILE * D);
 }
 
+/* pv_rows (below) for rows j .. rows - 1 one row at a time (16 columns, then one) */
+FORCE_INLINE void pv_rows_from(int j, const float *p, long ps, int rows, const float *tile, int n, int D, float *o,
+                               const int fx) {
+    for (; j < rows; j++) {
+        const float *pj = p + (long)j * ps;
+        float *oj = o + (long)j * D;
+        int d = 0;
+        for (; d + 16 <= D; d += 16) {
+            v16f acc = ld16(oj + d);
+            for (int t = 0; t < n; t++) MADD16(fx, acc, pj[t] - (v16f){0}, ld16(tile + (long)t * D + d));
+            memcpy(oj + d, &acc, sizeof acc);
+        }
+        for (; d < D; d++) {
+            float a = oj[d];
+            for (int t = 0; t < n; t++) MADD1(fx, a, pj[t], tile[(long)t * D + d]);
+            oj[d] = a;
+        }
+    }
+}
+
 #if ATT_AVX2
 /* AVX2: the same two kernels with each 16-lane value as two 8-lane registers (lanes 0-7, 8-15),
    written out: GCC's 16-lane vector code blocked as for AVX-512 needs 32 of AVX2's 16 registers and
@@ -583,21 +603,7 @@ FORCE_INLINE void pv_rows(const float *p, long ps, int rows, const float *tile, 
                 for (int r = 0; r < 4; r++)
                     for (int c = 0; c < 2; c++) _mm256_storeu_ps(o + (long)(j + r) * D + d + 8 * c, acc[r][c]);
             }
-    for (; j < rows; j++) {
-        const float *pj = p + (long)j * ps;
-        float *oj = o + (long)j * D;
-        int d = 0;
-        for (; d + 16 <= D; d += 16) {
-            v16f acc = ld16(oj + d);
-            for (int t = 0; t < n; t++) MADD16(fx, acc, pj[t] - (v16f){0}, ld16(tile + (long)t * D + d));
-            memcpy(oj + d, &acc, sizeof acc);
-        }
-        for (; d < D; d++) {
-            float a = oj[d];
-            for (int t = 0; t < n; t++) MADD1(fx, a, pj[t], tile[(long)t * D + d]);
-            oj[d] = a;
-        }
-    }
+    pv_rows_from(j, p, ps, rows, tile, n, D, o, fx);
 }
 #else
 /* scores of two query rows against n cached rows: s0[t] = dot16(qa, row t) * scale, s1[t] likewise
@@ -653,21 +659,7 @@ FORCE_INLINE void pv_rows(const float *p, long ps, int rows, const float *tile, 
                 for (int r = 0; r < 4; r++)
                     for (int c = 0; c < 4; c++) memcpy(o + (long)(j + r) * D + d + 16 * c, &acc[r][c], sizeof(v16f));
             }
-    for (; j < rows; j++) {
-        const float *pj = p + (long)j * ps;
-        float *oj = o + (long)j * D;
-        int d = 0;
-        for (; d + 16 <= D; d += 16) {
-            v16f acc = ld16(oj + d);
-            for (int t = 0; t < n; t++) MADD16(fx, acc, pj[t] - (v16f){0}, ld16(tile + (long)t * D + d));
-            memcpy(oj + d, &acc, sizeof acc);
-        }
-        for (; d < D; d++) {
-            float a = oj[d];
-            for (int t = 0; t < n; t++) MADD1(fx, a, pj[t], tile[(long)t * D + d]);
-            oj[d] = a;
-        }
-    }
+    pv_rows_from(j, p, ps, rows, tile, n, D, o, fx);
 }
 #endif
 
