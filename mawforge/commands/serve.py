@@ -10,6 +10,7 @@ from pathlib import Path
 
 from mawforge.commands.run import add_runtime_arguments, make_recorder, runtime_options
 from mawforge.commands.speculative import add_speculative_arguments, spec_options
+from mawforge.engine.threads import release_openmp_pool
 from mawforge.errors import BudgetRejected
 from mawforge.serve import limits
 from mawforge.serve.app import build_app
@@ -88,6 +89,7 @@ def app_for(a: argparse.Namespace, opts, run_plan, chat: dict, recorder=None, te
                         dashboard=a.dashboard, max_body_bytes=a.max_body_bytes,
                         responses_store=store_from_args(a), max_batch=a.max_batch,
                         request_timeout_s=a.request_timeout_s, **chat)
+        release_openmp_pool()    # this thread loaded the model; the engine thread computes (engine/threads.py)
     except BaseException:
         model.close()
         raise

@@ -24,6 +24,7 @@ above. Where /proc/stat cannot be read, the governor always chooses by measured 
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from typing import Callable
@@ -32,6 +33,51 @@ import torch
 
 from mawforge.engine.online import OnlineChooser
 from mawforge.kernels import native
+
+
+def release_openmp_pool() -> bool:
+    """The calling thread hands the compute over to another thread (`serve`'s engine thread):
+    its idle OpenMP workers exit. True when they did (or it had none).
+
+    libgomp keeps a pool of workers for every thread that has started a parallel region, and
+    counts them all together: once more of them exist than the CPUs it may use, every thread
+    spins only ~100 times at a barrier before it sleeps in the kernel (config/linux/wait.h, the
+    "throttled" spin count), so each of a decode step's hundreds of parallel regions pays a
+    futex wake-up. torch and the native kernels share one libgomp (torch's), so a model loaded
+    on the main thread and then run on an engine thread has two pools: on the AMD EPYC (Zen 4,
+    2 cores, the 48-layer file, 2026-12-03) decode on the engine thread took 343 ms a token
+    against 165 on the loading thread, and 135 once the loading thread's pool was released
+    (omp_pause_resource_all, OpenMP 5.0; libgomp frees the calling thread's pool). The pool
+    comes back if the thread computes again."""
+    lib = _openmp_runtime()
+    if lib is None:
+        return False
+    try:
+        pause = lib.omp_pause_resource_all
+    except AttributeError:
+        return False
+    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+    return pause(OMP_PAUSE_SOFT) == 0
+
+
+OMP_PAUSE_SOFT = 1
+
+
+def _openmp_runtime():
+    """The OpenMP runtime this process has loaded (torch's libgomp, or an LLVM/Intel one), or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/lib" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        name = os.path.basename(path)
+        if name.startswith(("libgomp", "libiomp5", "libomp")) and ".so" in name:
+            try:
+                return ctypes.CDLL(path)      # already loaded: the same handle
+            except OSError:
+                continue
+    return None
 
 
 # other processes using less than this many cores over a window: a quiet machine
