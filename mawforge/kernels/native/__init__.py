@@ -66,7 +66,8 @@ _I = ctypes.c_int
 _SIGNATURES = (("qgemm", [_I, _P, _I, _I, _P, _I, _P]),
                ("moe_ffn", [_P, _I, _I, _I, _I, _P, _P, _P, _I, _I, _I, _P, _P, _P, _P]),
                ("quantize_acts", [_I, _P, _I, _P, _P, _P]),
-               ("supported", [_I]), ("simd_path", []), ("vnni_path", []), ("set_threads", [_I]),
+               ("set_pair_max", [ctypes.c_long]), ("supported", [_I]), ("simd_path", []), ("vnni_path", []),
+               ("set_threads", [_I]),
                ("rms_norm_rows", [_P, _I, _I, _P, ctypes.c_float, _P]),
                ("rope_rows", [_P, _I, _I, _I, _P, _P, _I, _P]),
                ("attn_qkv", [_P, _I, _P, _I, _P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _P, _P, ctypes.c_float,
@@ -78,7 +79,7 @@ _SIGNATURES = (("qgemm", [_I, _P, _I, _I, _P, _I, _P]),
                ("route_topk_rows", [_P, _I, _I, _P, _I, _I, _I, _P, _P, _P]),
                ("decode_layer", [_P, _P, _P, _I, _P, _P, _P, _P, _P, _P]),
                ("decode_layer_rows", [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P]))
-_VOID = ("set_threads", "rms_norm_rows", "rope_rows", "kv_put", "route_topk", "route_topk_rows")
+_VOID = ("set_pair_max", "set_threads", "rms_norm_rows", "rope_rows", "kv_put", "route_topk", "route_topk_rows")
 
 
 def cpu_flags() -> str:
@@ -203,6 +204,16 @@ def _sync_threads(lib) -> None:
     if nt != _threads:
         lib.set_threads(nt)
         _threads = nt
+
+
+def set_pair_limit(nbytes: int) -> None:
+    """One-token products run weight rows in pairs only in matrices of at most nbytes (default
+    32 MiB, kquant_gemm.c g_pair_max: larger ones stream from memory, one row at a time). The
+    bits are the same either way; tests force each path with it."""
+    library().set_pair_max(int(nbytes))
+
+
+PAIR_LIMIT_BYTES = 32 << 20
 
 
 def ptr(t: torch.Tensor | None) -> int | None:
