@@ -522,11 +522,11 @@ def test_paired_weight_rows_equal_one_row_calls_bit_for_bit(qt):
                               for i in range(64)])
         for m in (1, 2, 3, 4, 5, 8, 64):
             assert torch.equal(native.gemm(x[:m], raw, qt, n, k), single[:m]), (n, k, m)
-        try:                 # a matrix above the pair limit (the output head) runs one row at a time
-            native.set_pair_limit(0)
+        limit = native.set_pair_limit(0)     # above the pair limit (the output head): one row at a time
+        try:
             assert torch.equal(native.gemm(x[:1], raw, qt, n, k), single[:1]), (n, k)
         finally:
-            native.set_pair_limit(native.PAIR_LIMIT_BYTES)
+            native.set_pair_limit(limit)
 
 
 def _expf32(v: np.ndarray) -> np.ndarray:

@@ -1,7 +1,7 @@
 """engine/threads.py release_openmp_pool: the thread that loaded a model hands the compute to
 another thread (`serve`'s engine thread) and its idle OpenMP workers exit, so libgomp does not
 count two pools against the CPUs (which makes every barrier sleep in the kernel: decode at half
-speed on the engine thread, benchmarks/RESULTS.md). Each case runs in a fresh interpreter, since
+speed on the engine thread, benchmarks/RESULTS.md). The probe runs in a fresh interpreter, since
 the pools are per process."""
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ def parallel():                    # above at::parallel_for's grain: a parallel 
     x.mul_(1.5).add_(x)
     return float(x[0])
 
-def settle(want, cmp):
+def settle(want):
     for _ in range(200):           # an exiting worker leaves /proc a moment after the barrier
-        if cmp(tasks(), want):
-            return tasks()
+        if tasks() == want:
+            break
         time.sleep(0.01)
     return tasks()
 
@@ -33,12 +33,12 @@ parallel()
 pooled = tasks()
 out = {"worker_made": pooled > base}
 out["released"] = release_openmp_pool()
-out["workers_gone"] = settle(base, int.__eq__) == base
+out["workers_gone"] = settle(base) == base
 parallel()
-out["pool_back"] = settle(pooled, int.__eq__) == pooled
+out["pool_back"] = settle(pooled) == pooled
 # the server's case: the loading thread releases, then an engine thread computes: only its pool is left
 release_openmp_pool()
-settle(base, int.__eq__)
+settle(base)
 seen = []
 def engine():
     parallel()

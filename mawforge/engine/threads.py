@@ -35,6 +35,9 @@ from mawforge.engine.online import OnlineChooser
 from mawforge.kernels import native
 
 
+OMP_PAUSE_SOFT = 1
+
+
 def release_openmp_pool() -> bool:
     """The calling thread hands the compute over to another thread (`serve`'s engine thread):
     its idle OpenMP workers exit. True when they did (or it had none).
@@ -58,9 +61,6 @@ def release_openmp_pool() -> bool:
         return False
     pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
     return pause(OMP_PAUSE_SOFT) == 0
-
-
-OMP_PAUSE_SOFT = 1
 
 
 def _openmp_runtime():

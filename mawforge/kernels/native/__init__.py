@@ -79,7 +79,7 @@ _SIGNATURES = (("qgemm", [_I, _P, _I, _I, _P, _I, _P]),
                ("route_topk_rows", [_P, _I, _I, _P, _I, _I, _I, _P, _P, _P]),
                ("decode_layer", [_P, _P, _P, _I, _P, _P, _P, _P, _P, _P]),
                ("decode_layer_rows", [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P]))
-_VOID = ("set_pair_max", "set_threads", "rms_norm_rows", "rope_rows", "kv_put", "route_topk", "route_topk_rows")
+_VOID = ("set_threads", "rms_norm_rows", "rope_rows", "kv_put", "route_topk", "route_topk_rows")
 
 
 def cpu_flags() -> str:
@@ -152,7 +152,7 @@ def _build() -> ctypes.CDLL | None:
     for name, args in _SIGNATURES:
         f = getattr(dll, name)
         f.argtypes = args
-        f.restype = None if name in _VOID else ctypes.c_int
+        f.restype = None if name in _VOID else ctypes.c_long if name == "set_pair_max" else ctypes.c_int
     return dll
 
 
@@ -206,14 +206,11 @@ def _sync_threads(lib) -> None:
         _threads = nt
 
 
-def set_pair_limit(nbytes: int) -> None:
+def set_pair_limit(nbytes: int) -> int:
     """One-token products run weight rows in pairs only in matrices of at most nbytes (default
-    32 MiB, kquant_gemm.c g_pair_max: larger ones stream from memory, one row at a time). The
-    bits are the same either way; tests force each path with it."""
-    library().set_pair_max(int(nbytes))
-
-
-PAIR_LIMIT_BYTES = 32 << 20
+    32 MiB, kquant_gemm.c g_pair_max: larger ones stream from memory, one row at a time); returns
+    the limit it replaces. The bits are the same either way; tests force each path with it."""
+    return library().set_pair_max(int(nbytes))
 
 
 def ptr(t: torch.Tensor | None) -> int | None:

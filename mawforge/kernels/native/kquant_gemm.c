@@ -1113,15 +1113,16 @@ static void gemm_rows(int type, dot_fn dot, dot4_fn dot4, dot2_fn dot2, const ui
 
 int supported(int type) { return is_supported(type); }
 
-/* x [M, K] float32, w [N, row bytes] -> y [M, N]. Returns 0, or -1 for an unsupported type or K. */
 /* One-token products take weight rows in pairs (dot2: sharing each load of x, 5-9% faster where
    the matrix is in cache) only in matrices of at most this many bytes. Two rows interleaved
    block by block feed a stream from DRAM badly: the 151,936 x 2,048 Q6_K output head took
    15.7 ms a token in pairs and 8.4 ms one row at a time, as ggml runs it (AMD EPYC Zen 4, two
    threads, the same bits). A larger matrix cannot stay in these CPUs' caches between tokens. */
 static long g_pair_max = 32L << 20;
-void set_pair_max(long nbytes) { g_pair_max = nbytes; }
+/* sets the limit (tests force each path); returns the one it replaces */
+long set_pair_max(long nbytes) { const long old = g_pair_max; g_pair_max = nbytes; return old; }
 
+/* x [M, K] float32, w [N, row bytes] -> y [M, N]. Returns 0, or -1 for an unsupported type or K. */
 int qgemm(int type, const float *x, int M, int K, const uint8_t *w, int N, float *y) {
     int nb; long rb;
     dot_fn dot = dot_for(type, K, &nb, &rb);
