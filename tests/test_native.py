@@ -512,7 +512,7 @@ def test_batched_rows_equal_single_rows_bit_for_bit(qt):
 
 @pytest.mark.parametrize("qt", TYPES)
 def test_paired_weight_rows_equal_one_row_calls_bit_for_bit(qt):
-    """qgemm runs weight rows in pairs (Q4_K, Q5_K, Q6_K: one pass over two rows sharing x) and
+    """qgemm can run weight rows in pairs (Q4_K, Q5_K, Q6_K: one pass over two rows sharing x) and
     four rows of x at a time; every element must be what the one-row kernel gives alone (one
     weight row, one row of x: the path ggml's oracle test pins to ggml's bits)."""
     for n, k in ((7, 256), (48, 512), (33, 768)):
@@ -522,11 +522,12 @@ def test_paired_weight_rows_equal_one_row_calls_bit_for_bit(qt):
                               for i in range(64)])
         for m in (1, 2, 3, 4, 5, 8, 64):
             assert torch.equal(native.gemm(x[:m], raw, qt, n, k), single[:m]), (n, k, m)
-        limit = native.set_pair_limit(0)     # above the pair limit (the output head): one row at a time
-        try:
-            assert torch.equal(native.gemm(x[:1], raw, qt, n, k), single[:1]), (n, k)
-        finally:
-            native.set_pair_limit(limit)
+        for pair_limit in (0, 1 << 40):      # one row at a time (the default), then rows in pairs
+            limit = native.set_pair_limit(pair_limit)
+            try:
+                assert torch.equal(native.gemm(x[:1], raw, qt, n, k), single[:1]), (n, k, pair_limit)
+            finally:
+                native.set_pair_limit(limit)
 
 
 def _expf32(v: np.ndarray) -> np.ndarray:
@@ -542,21 +543,26 @@ def _expf32(v: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("types", [(T.Q4_K, T.Q4_K, T.Q6_K), (T.Q4_K, T.Q4_K, T.Q4_K),
                                    (T.Q5_K, T.Q5_K, T.Q6_K), (T.Q4_K, T.Q5_K, T.Q6_K)])
 def test_moe_ffn_is_its_gemms_bit_for_bit(types):
-    """moe_ffn (gate and up rows in one pass, down rows in pairs, four tokens at a time) against
-    its definition in float32 from one-matrix gemm calls: h = g / (1 + expf(-g)) * u, then
-    out[t] += wt * (down . h) expert by expert, with the same roundings, for M from 1 to 64."""
+    """moe_ffn (one token: rows one at a time, or gate with up and down rows in pairs under the pair
+    limit; more tokens: four at a time) against its definition in float32 from one-matrix gemm
+    calls: h = g / (1 + expf(-g)) * u, then out[t] += wt * (down . h) expert by expert, with the
+    same roundings, for M from 1 to 64."""
     rng = np.random.default_rng(5)
     c, f, e = 512, 256, 4
     experts = _expert_set(rng, f, c, types, e)
     batch = native.ExpertBatch(types, f, c)
     for g, u, d in experts:
         batch.add(g.data_ptr(), u.data_ptr(), d.data_ptr())
-    for m in (1, 2, 3, 4, 5, 8, 64):
+    for m, pair_limit in ((1, 0), (1, 1 << 40), (2, 0), (3, 0), (4, 0), (5, 0), (8, 0), (64, 0)):
         x = torch.randn(m, c, generator=torch.Generator().manual_seed(m))
         wts = rng.random((e, m)).astype(np.float32)
         wts[:, m // 2:][rng.random((e, m - m // 2)) < 0.5] = 0.0   # the later tokens skip some experts
         out = torch.full((m, c), 0.25)
-        native.moe_ffn(x, batch, wts, out)
+        limit = native.set_pair_limit(pair_limit)   # one token: rows one at a time (default), or in pairs
+        try:
+            native.moe_ffn(x, batch, wts, out)
+        finally:
+            native.set_pair_limit(limit)
         want = np.full((m, c), 0.25, np.float32)
         for i, (g, u, d) in enumerate(experts):
             for t in np.nonzero(wts[i])[0]:

@@ -207,9 +207,10 @@ def _sync_threads(lib) -> None:
 
 
 def set_pair_limit(nbytes: int) -> int:
-    """One-token products run weight rows in pairs only in matrices of at most nbytes (default
-    32 MiB, kquant_gemm.c g_pair_max: larger ones stream from memory, one row at a time); returns
-    the limit it replaces. The bits are the same either way; tests force each path with it."""
+    """One-token products (qgemm's rows, moe_ffn's gate with up and its down rows) run weight rows
+    in pairs only in matrices of at most nbytes (kquant_gemm.c g_pair_max; default 0: one row at a
+    time, as ggml, since decode weights stream from memory); returns the limit it replaces. The
+    bits are the same either way; tests force each path with it."""
     return library().set_pair_max(int(nbytes))
 
 

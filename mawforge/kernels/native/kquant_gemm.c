@@ -1113,12 +1113,16 @@ static void gemm_rows(int type, dot_fn dot, dot4_fn dot4, dot2_fn dot2, const ui
 
 int supported(int type) { return is_supported(type); }
 
-/* One-token products take weight rows in pairs (dot2: sharing each load of x, 5-9% faster where
-   the matrix is in cache) only in matrices of at most this many bytes. Two rows interleaved
-   block by block feed a stream from DRAM badly: the 151,936 x 2,048 Q6_K output head took
-   15.7 ms a token in pairs and 8.4 ms one row at a time, as ggml runs it (AMD EPYC Zen 4, two
-   threads, the same bits). A larger matrix cannot stay in these CPUs' caches between tokens. */
-static long g_pair_max = 32L << 20;
+/* One-token products can take weight rows in pairs (dot2: two rows interleaved block by block,
+   sharing each load of x; 5-9% faster where the matrix is in cache) in matrices of at most this
+   many bytes: qgemm's rows, moe_ffn's gate with up and its down rows two at a time. The default is
+   none: in a decode step at full size every weight streams from DRAM (48 layers of a 30B MoE pass
+   over a gigabyte a token, nothing stays in cache between tokens), and two interleaved streams
+   feed the prefetchers badly. On the AMD EPYC Zen 4 (two threads) the 151,936 x 2,048 Q6_K output
+   head took 15.7 ms a token in pairs against 8.4 ms one row at a time, as ggml runs it, and
+   resident decode of the 48-layer file went 8.43 -> 11.27 tok/s with no pairs anywhere (the same
+   bits). Pairs stay for CPUs where a measurement says otherwise; tests force both paths. */
+static long g_pair_max = 0;
 /* sets the limit (tests force each path); returns the one it replaces */
 long set_pair_max(long nbytes) { const long old = g_pair_max; g_pair_max = nbytes; return old; }
 
@@ -1144,7 +1148,7 @@ int qgemm(int type, const float *x, int M, int K, const uint8_t *w, int N, float
             const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
             gemm_rows(type, dot, dot4, dot2, w, rb, nb, (int)((long)N * tid / nth), (int)((long)N * (tid + 1) / nth),
                       xr, M, yr, 0, 0);
-        } else {       /* decode: weight rows in pairs, each thread a contiguous run of pairs */
+        } else {       /* decode: each thread a contiguous run of row pairs (dot2 under the pair limit) */
             const qrow x0 = qrow_at(buf, K);
             const int pairs = dot2 && rb * (long)N <= g_pair_max;
             #pragma omp for schedule(static)
@@ -1239,7 +1243,8 @@ int moe_ffn(const float *x, int M, int C, int F, int E,
     if (M > 1) return moe_ffn_tiled(x, M, C, F, E, gate, up, down, tg, tu, td, first, tok, wt, out);
     const int P = first[E];
     const dot4_fn d4g = dot4_for(tg), d4u = dot4_for(tu), d4d = dot4_for(td);
-    const dot2_fn d2gu = tg == tu ? dot2_for(tg) : 0, d2d = dot2_for(td);
+    const dot2_fn d2gu = tg == tu && rbg * (long)F <= g_pair_max ? dot2_for(tg) : 0,
+                  d2d = rbd * (long)C <= g_pair_max ? dot2_for(td) : 0;
     const size_t qc = qrow_bytes(C), qf = qrow_bytes(F);
     const int two = act_kind(tg) != act_kind(tu);           /* gate and up want different activation types */
     const size_t need = qc * M * (1 + two) + sizeof(float) * (size_t)P * F + qf * (size_t)P;
