@@ -20,9 +20,14 @@ venv: $(BIN)/python
 # GGML_NATIVE=OFF, an explicit ISA list and AMX off, into a wheel keyed by those flags (pip's
 # own wheel cache is bypassed): a build for one CPU is never reused on another, and AMX Xeons
 # do not crash in ggml's AMX repack path. Its first run compiles llama.cpp (~7 min on 2 cores).
+# The dashboard's browser test drives Debian's Chromium: installed here where it is missing (root and
+# apt-get, as on CI and these machines); elsewhere install it by hand or point MAWFORGE_CHROMIUM at one.
 venv-test: venv
 	$(BIN)/python scripts/llama_wheel.py --pip $(BIN)/pip
 	$(BIN)/pip install -q -e '.[test]'
+	command -v chromium >/dev/null || command -v chromium-browser >/dev/null || [ -n "$$MAWFORGE_CHROMIUM" ] || \
+		(apt-get update -qq && apt-get install -y -qq chromium) || \
+		echo "make: could not install chromium; the browser test will fail until one is installed" >&2
 
 # Packs the shipped demo model (mawforge/demo/: a small Qwen3-MoE trained on the KJV Bible and
 # the Python docs, Q4_K_M made by llama.cpp's quantizer), inspects and verifies the pack, plans,

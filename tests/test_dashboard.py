@@ -124,8 +124,8 @@ def _number(text: str):
 
 def test_dashboard_in_a_real_browser(server, tmp_path):
     exe = chromium()
-    if exe is None:
-        pytest.skip("chromium not installed")
+    assert exe is not None, ("no Chromium found: `make test` installs Debian's chromium with apt-get; elsewhere "
+                             "install it or set MAWFORGE_CHROMIUM to its path")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
