@@ -1,10 +1,11 @@
 """Where a resident one-token decode step's time goes: the shape-true pack, every expert block
 preloaded, teacher-forced tokens, MAWFORGE_BENCH_THREADS threads (2).
 
-    python benchmarks/step_profile.py [--layers 24] [--tokens 32] [--no-thread-governor]
+    python benchmarks/step_profile.py [--layers 24] [--tokens 32] [--context 0] [--no-thread-governor]
 
 Three passes over the same tokens after a warm-up: plain (the step's wall time, no
-instrumentation), with each native entry point timed (a proxy around the ctypes library: the
+instrumentation; with --context N the cache first holds N synthetic positions, the rows
+fullsize.py's --fill-context writes), with each native entry point timed (a proxy around the ctypes library: the
 time inside C), and under cProfile, whose own-time per function is grouped into native kernels,
 torch ops, and the Python of each package (cProfile's per-call cost inflates Python; read its
 groups as shares, the plain median as the step).
@@ -57,6 +58,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--context", type=int, default=0, help="decode after this many synthetic cached positions")
     ap.add_argument("--no-thread-governor", action="store_true")
     a = ap.parse_args()
     import torch
@@ -65,9 +67,19 @@ def main() -> int:
     from mawforge.kernels import native
     torch.set_num_threads(THREADS)
     pack = pack_of(synth_model(a.layers, "Q4_K_M", skew=1.0, stickiness=0.3))
-    rt = Runtime(pack, RuntimeOptions(context=512, expert_cache_percent=100, prefill_chunk=64, threads=THREADS,
+    context = max(512, a.context + 64 + a.tokens + 64)
+    rt = Runtime(pack, RuntimeOptions(context=context, expert_cache_percent=100, prefill_chunk=64, threads=THREADS,
                                       check_digests=False, thread_governor=not a.no_thread_governor))
     rt.cache.preload()
+    if a.context:
+        from fullsize import synthetic_rows
+        block = torch.from_numpy(synthetic_rows(a.context, rt.kv.k[0].shape[0] * rt.kv.k[0].shape[2]))
+        for kc, vc in zip(rt.kv.k, rt.kv.v):
+            if kc is not None:
+                rows = block.view(a.context, kc.shape[0], kc.shape[2]).transpose(0, 1).to(kc.dtype)
+                kc[:, :a.context].copy_(rows)
+                vc[:, :a.context].copy_(rows)
+        rt.kv.commit(a.context)
     rt.forward(tokens(64, 1))
     dec = tokens(a.tokens + 4, 2)
 
@@ -91,7 +103,7 @@ def main() -> int:
     prof.disable()
     n = len(timed)
     print(f"step median {1e3 * statistics.median(plain):.2f} ms ({1 / statistics.median(plain):.2f} tok/s), "
-          f"{a.layers} layers, {THREADS} threads")
+          f"{a.layers} layers, {THREADS} threads, context {a.context} + 64 + {a.tokens}")
     c_total = sum(proxy.seconds.values()) / n
     for k in sorted(proxy.seconds, key=lambda k: -proxy.seconds[k]):
         print(f"  C {k:16s} {1e3 * proxy.seconds[k] / n:7.2f} ms/token  {proxy.calls[k] / n:5.1f} calls/token")

@@ -486,14 +486,20 @@ enum { ATT_AHEAD = 256 };   /* cache rows ahead of the tile that tile_load prefe
    prefetching the row ATT_AHEAD further on (while < S). A decode step reads its whole cache once
    from memory (3 GiB a token at 32K, Qwen3-30B-A3B shape): the hardware prefetchers alone kept
    the conversion waiting on DRAM (RESULTS.md: 15 -> 22 GB/s with 32-row tiles at 4-32K, 48 layers, 2 threads).
-   Prefetching changes no value. */
-static inline void tile_load(const void *c, int dtype, long at, int s0, int n, int S, int D, float *tile) {
+   l2 (one query token: a decode step) prefetches into L2 rather than L1: on the Zen 4 a burst of L1 prefetches
+   kept the tile's compute from overlapping the reads (48 layers' decode attention at 4K 40-45 -> 31-33 ms,
+   16K 164-178 -> 121-124 ms), while a prefill chunk, which re-reads its rows from cache, ran its 512 x 512
+   row ~6% slower so. Prefetching changes no value. */
+static inline void tile_load(const void *c, int dtype, long at, int s0, int n, int S, int D, float *tile, int l2) {
     const long rb = kv_bytes_at(dtype, D);
     const char *base = (const char *)c + kv_bytes_at(dtype, at);
     for (int t = 0; t < n; t++) {
         if (s0 + t + ATT_AHEAD < S) {
             const char *ahead = base + (long)(s0 + t + ATT_AHEAD) * rb;
-            for (long o = 0; o < rb; o += 64) __builtin_prefetch(ahead + o, 0, 3);
+            if (l2)
+                for (long o = 0; o < rb; o += 64) __builtin_prefetch(ahead + o, 0, 2);
+            else
+                for (long o = 0; o < rb; o += 64) __builtin_prefetch(ahead + o, 0, 3);
         }
         row_load(c, dtype, at + (long)(s0 + t) * D, D, tile + (long)t * D);
     }
@@ -685,7 +691,7 @@ FORCE_INLINE void attend_block_x(const float *q, long qs, int B, const int *span
     round_row(dtype, qr, B * R);
     for (int s0 = 0; s0 < S; s0 += ATT_TILE) {
         const int n = S - s0 < ATT_TILE ? S - s0 : ATT_TILE;
-        tile_load(kc, dtype, at, s0, n, S, D, tile);
+        tile_load(kc, dtype, at, s0, n, S, D, tile, B == 1);
         for (int b = 0; b < B; b++) {
             const int nb = span[b] - s0 < n ? span[b] - s0 : n;
             if (nb <= 0) continue;
@@ -705,7 +711,7 @@ FORCE_INLINE void attend_block_x(const float *q, long qs, int B, const int *span
     }
     for (int s0 = 0; s0 < S; s0 += ATT_TILE) {
         const int n = S - s0 < ATT_TILE ? S - s0 : ATT_TILE;
-        tile_load(vc, dtype, at, s0, n, S, D, tile);
+        tile_load(vc, dtype, at, s0, n, S, D, tile, B == 1);
         for (int b = 0; b < B; b++) {
             const int nb = span[b] - s0 < n ? span[b] - s0 : n;
             if (nb > 0) pv_rows(sc + (long)b * hg * Sp + s0, Sp, hg, tile, nb, D, out + b * os, fx);
