@@ -5,6 +5,7 @@ on a dropped page cache, resident and inside cgroup v1 memory limits.
 
     python benchmarks/commit_ab.py --old a88719b --new HEAD [--limits 0,8] [--rounds 3] [--prompt-tokens 2048]
     python benchmarks/commit_ab.py --old f1dbc99~1 --new f1dbc99 --fill-context 32768   # decode at 32K positions
+    python benchmarks/commit_ab.py --old A --new B --fill-context 4096 --decode-tokens 30 --warmup 15
 
 Per configuration and commit: the teacher-forced decode tok/s, greedy tok/s and TTFT of each
 round, their medians, and new/old ratios; the rounds alternate which commit goes first. With
@@ -41,9 +42,9 @@ def tree(rev: str) -> tuple[str, str]:
 
 
 def row(path: str, pack: str, gib: float | None, rounds_tag: str, timeout: float, prompt_tokens: int | None,
-        fill: int | None = None) -> dict:
+        fill: int | None = None, decode: int = 10, warmup: int = 2) -> dict:
     if fill:                                            # long_context.py's worker arguments
-        args = ["maw", "--pack", pack, *fill_args(fill)]
+        args = ["maw", "--pack", pack, *fill_args(fill, decode, warmup)]
     else:
         args = ["maw", "--pack", pack, "--classes", "code", "--greedy-tokens", "16"]
         if prompt_tokens:                               # TTFT is this prompt's prefill
@@ -73,6 +74,10 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--prompt-tokens", type=int, default=None, help="the random prompt (default: the worker's 64)")
     ap.add_argument("--fill-context", type=int, default=None, help="decode after this many cached positions")
+    ap.add_argument("--decode-tokens", type=int, default=10,
+                    help="with --fill-context: teacher-forced steps, the first --warmup untimed")
+    ap.add_argument("--warmup", type=int, default=2, help="with --fill-context: untimed first steps (inside a "
+                    "limit the expert cache fills during them; long_context.py's battery uses 15)")
     a = ap.parse_args()
     if a.fill_context is not None and a.prompt_tokens is not None:
         ap.error("--fill-context and --prompt-tokens are two different runs; give one")
@@ -85,7 +90,8 @@ def main() -> int:
         for k in range(a.rounds):
             order = ("old", "new") if k % 2 == 0 else ("new", "old")
             for side in order:
-                r = row(sides[side][1], pack, gib, str(k), a.timeout, a.prompt_tokens, a.fill_context)
+                r = row(sides[side][1], pack, gib, str(k), a.timeout, a.prompt_tokens, a.fill_context, a.decode_tokens,
+                        a.warmup)
                 r.update(config=config, side=side, commit=sides[side][0][:12])
                 rows.append(r)
                 print(json.dumps({k2: r.get(k2) for k2 in ("config", "side", "commit", "round", "status",

@@ -242,6 +242,15 @@ typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));   /*
 #else
 #define ATT_AVX2 0
 #endif
+/* v held in a register from here on: GCC folded the attention's tile loads into the multiply-adds
+   as memory operands, loading each value once per use (a p.v step 20 loads to 16 multiply-adds,
+   a score step 18), so the loop was bound by its loads; one load each, then the register (no value
+   changes: the same operations on the same values) */
+#if defined(__AVX512F__) && defined(__GNUC__)
+#define IN_REG(v) __asm__("" : "+v"(v))
+#else
+#define IN_REG(v) ((void)0)
+#endif
 /* the lanes summed pairwise (8 + 8, 4 + 4, 2 + 2, 1 + 1): one fixed order */
 #define hsum16(a) hsum16_of(&(a))
 static inline float hsum16_of(const v16f *a) {
@@ -624,7 +633,8 @@ FORCE_INLINE void scores2(const float *qa, const float *qb, const float *tile, i
             for (int d = 0; d < D; d += 16) {
                 const v16f x = ld16(qa + d), y = ld16(qb + d);
                 for (int i = 0; i < 8; i++) {
-                    const v16f k = ld16(tile + (long)(t + i) * D + d);
+                    v16f k = ld16(tile + (long)(t + i) * D + d);
+                    IN_REG(k);
                     MADD16(fx, a[i], x, k);
                     MADD16(fx, a[8 + i], y, k);
                 }
@@ -653,7 +663,8 @@ FORCE_INLINE void pv_rows(const float *p, long ps, int rows, const float *tile, 
                     for (int c = 0; c < 4; c++) acc[r][c] = ld16(o + (long)(j + r) * D + d + 16 * c);
                 for (int t = 0; t < n; t++) {
                     const float *vt = tile + (long)t * D + d;
-                    const v16f v0 = ld16(vt), v1 = ld16(vt + 16), v2 = ld16(vt + 32), v3 = ld16(vt + 48);
+                    v16f v0 = ld16(vt), v1 = ld16(vt + 16), v2 = ld16(vt + 32), v3 = ld16(vt + 48);
+                    IN_REG(v0); IN_REG(v1); IN_REG(v2); IN_REG(v3);
                     for (int r = 0; r < 4; r++) {
                         const v16f pr = p[(long)(j + r) * ps + t] - (v16f){0};   /* p in every lane (p - 0 is p) */
                         MADD16(fx, acc[r][0], pr, v0);
