@@ -550,6 +550,8 @@ FORCE_INLINE void pv_rows_from(int j, const float *p, long ps, int rows, const f
    written out: GCC's 16-lane vector code blocked as for AVX-512 needs 32 of AVX2's 16 registers and
    ran at a fifth of the multiply-adds' rate (AMD Zen 3: half of ggml's attention speed). The same
    operations on every lane in the same order, so the same bits as the generic code. */
+/* IN_REG's 8-lane form (GCC folded these loads too: a p.v step 4 broadcasts and 8 loads to 8 FMAs) */
+#define IN_REG8(v) __asm__("" : "+x"(v))
 #define MADD8(fx, acc, a, b) ((acc) = (fx) ? _mm256_fmadd_ps((a), (b), (acc)) : _mm256_add_ps((acc), _mm256_mul_ps((a), (b))))
 
 /* hsum16 of eight 16-lane values (halves lo[i], hi[i]) -> lane i: 8 + 8, 4 + 4, 2 + 2, 1 + 1 */
@@ -577,11 +579,13 @@ FORCE_INLINE void scores2(const float *qa, const float *qb, const float *tile, i
                 for (int z = 0; z < 8; z++) c[z] = _mm256_setzero_ps();
                 const float *k0 = tile + (long)(t + i0) * D, *k1 = k0 + D;
                 for (int d = 0; d < D; d += 16) {
-                    const __m256 x0 = _mm256_loadu_ps(qa + d), x1 = _mm256_loadu_ps(qa + d + 8);
-                    const __m256 y0 = _mm256_loadu_ps(qb + d), y1 = _mm256_loadu_ps(qb + d + 8);
-                    const __m256 a0 = _mm256_loadu_ps(k0 + d), a1 = _mm256_loadu_ps(k0 + d + 8);
+                    __m256 x0 = _mm256_loadu_ps(qa + d), x1 = _mm256_loadu_ps(qa + d + 8);
+                    __m256 y0 = _mm256_loadu_ps(qb + d), y1 = _mm256_loadu_ps(qb + d + 8);
+                    __m256 a0 = _mm256_loadu_ps(k0 + d), a1 = _mm256_loadu_ps(k0 + d + 8);
+                    IN_REG8(x0); IN_REG8(x1); IN_REG8(y0); IN_REG8(y1); IN_REG8(a0); IN_REG8(a1);
                     MADD8(fx, c[0], x0, a0); MADD8(fx, c[1], x1, a1); MADD8(fx, c[4], y0, a0); MADD8(fx, c[5], y1, a1);
-                    const __m256 b0 = _mm256_loadu_ps(k1 + d), b1 = _mm256_loadu_ps(k1 + d + 8);
+                    __m256 b0 = _mm256_loadu_ps(k1 + d), b1 = _mm256_loadu_ps(k1 + d + 8);
+                    IN_REG8(b0); IN_REG8(b1);
                     MADD8(fx, c[2], x0, b0); MADD8(fx, c[3], x1, b1); MADD8(fx, c[6], y0, b0); MADD8(fx, c[7], y1, b1);
                 }
                 lo[i0] = c[0], hi[i0] = c[1], lo[i0 + 1] = c[2], hi[i0 + 1] = c[3];
@@ -608,7 +612,8 @@ FORCE_INLINE void pv_rows(const float *p, long ps, int rows, const float *tile, 
                     for (int c = 0; c < 2; c++) acc[r][c] = _mm256_loadu_ps(o + (long)(j + r) * D + d + 8 * c);
                 for (int t = 0; t < n; t++) {
                     const float *vt = tile + (long)t * D + d;
-                    const __m256 v0 = _mm256_loadu_ps(vt), v1 = _mm256_loadu_ps(vt + 8);
+                    __m256 v0 = _mm256_loadu_ps(vt), v1 = _mm256_loadu_ps(vt + 8);
+                    IN_REG8(v0); IN_REG8(v1);
                     for (int r = 0; r < 4; r++) {
                         const __m256 pr = _mm256_broadcast_ss(p + (long)(j + r) * ps + t);
                         MADD8(fx, acc[r][0], pr, v0);
