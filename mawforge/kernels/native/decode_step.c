@@ -496,7 +496,7 @@ enum { ATT_AHEAD = 256 };   /* cache rows ahead of the tile that tile_load prefe
    from memory (3 GiB a token at 32K, Qwen3-30B-A3B shape): the hardware prefetchers alone kept
    the conversion waiting on DRAM (RESULTS.md: 15 -> 22 GB/s with 32-row tiles at 4-32K, 48 layers, 2 threads).
    l2 (one query token: a decode step) prefetches into L2 rather than L1: on the Zen 4 a burst of L1 prefetches
-   kept the tile's compute from overlapping the reads (48 layers' decode attention at 4K 40-45 -> 31-33 ms,
+   kept the tile's compute from overlapping the reads (48 layers' decode attention at 4K 40-45 -> 31-38 ms,
    16K 164-178 -> 121-124 ms), while a prefill chunk, which re-reads its rows from cache, ran its 512 x 512
    row ~6% slower so. Prefetching changes no value. */
 static inline void tile_load(const void *c, int dtype, long at, int s0, int n, int S, int D, float *tile, int l2) {
