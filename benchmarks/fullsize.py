@@ -62,6 +62,26 @@ def synthetic_q8_rows(n: int, width: int):
 
 
 # ---- workers (child processes) ---------------------------------------------------------------
+def fill_cache(kv, n: int) -> None:
+    """Positions 0..n-1 of every attention layer of a MawForge KV cache hold synthetic_rows
+    (a q8_0 cache: synthetic_q8_rows of the same values, as llama.cpp's q8_0 cache holds them);
+    committed, so the next token runs at position n."""
+    import torch
+    block = None
+    for kc, vc in zip(kv.k, kv.v):
+        if kc is None or vc is None:
+            continue
+        g, _, d = kc.shape
+        if block is None:
+            if kv.quant:
+                block = synthetic_q8_rows(n, g * (d // 34 * 32)).view(n, g, d).transpose(0, 1)
+            else:
+                block = torch.from_numpy(synthetic_rows(n, g * d)).view(n, g, d).transpose(0, 1).to(kc.dtype)
+        kc[:, :n].copy_(block)
+        vc[:, :n].copy_(block)
+    kv.commit(n)
+
+
 class LlamaEngine:
     def __init__(self, a) -> None:
         import llama_cpp
@@ -160,20 +180,7 @@ class MawEngine:
     def fill(self, n: int) -> None:
         """Positions 0..n-1 of every attention layer hold synthetic keys and values (the rows
         LlamaEngine.fill writes); the next token runs at position n."""
-        torch, kv = self.torch, self.rt.kv
-        block = None
-        for kc, vc in zip(kv.k, kv.v):
-            if kc is None or vc is None:
-                continue
-            g, _, d = kc.shape
-            if block is None:
-                if kv.quant:            # q8_0 rows of the same values, as llama.cpp's q8_0 cache holds them
-                    block = synthetic_q8_rows(n, g * (d // 34 * 32)).view(n, g, d).transpose(0, 1)
-                else:
-                    block = torch.from_numpy(synthetic_rows(n, g * d)).view(n, g, d).transpose(0, 1).to(kc.dtype)
-            kc[:, :n].copy_(block)
-            vc[:, :n].copy_(block)
-        kv.commit(n)
+        fill_cache(self.rt.kv, n)
 
     def reset(self) -> None:
         self.rt.reset()

@@ -72,14 +72,8 @@ def main() -> int:
                                       check_digests=False, thread_governor=not a.no_thread_governor))
     rt.cache.preload()
     if a.context:
-        from fullsize import synthetic_rows
-        block = torch.from_numpy(synthetic_rows(a.context, rt.kv.k[0].shape[0] * rt.kv.k[0].shape[2]))
-        for kc, vc in zip(rt.kv.k, rt.kv.v):
-            if kc is not None:
-                rows = block.view(a.context, kc.shape[0], kc.shape[2]).transpose(0, 1).to(kc.dtype)
-                kc[:, :a.context].copy_(rows)
-                vc[:, :a.context].copy_(rows)
-        rt.kv.commit(a.context)
+        from fullsize import fill_cache
+        fill_cache(rt.kv, a.context)
     rt.forward(tokens(64, 1))
     dec = tokens(a.tokens + 4, 2)
 
