@@ -1,7 +1,10 @@
-"""Where a resident one-token decode step's time goes: the shape-true pack, every expert block
-preloaded, teacher-forced tokens, MAWFORGE_BENCH_THREADS threads (2).
+"""Where a one-token decode step's time goes: the shape-true pack, every expert block preloaded
+(or, with --budget-gib, the plan's expert cache under that budget, as `mawforge run
+--memory-budget-gib` loads it: embeddings streamed, no prompt cache), teacher-forced tokens,
+MAWFORGE_BENCH_THREADS threads (2).
 
-    python benchmarks/step_profile.py [--layers 24] [--tokens 32] [--context 0] [--no-thread-governor]
+    python benchmarks/step_profile.py [--layers 24] [--tokens 32] [--context 0] [--budget-gib G]
+                                      [--warmup 4] [--no-thread-governor]
 
 Three passes over the same tokens after a warm-up: plain (the step's wall time, no
 instrumentation; with --context N the cache first holds N synthetic positions, the rows
@@ -59,23 +62,34 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--context", type=int, default=0, help="decode after this many synthetic cached positions")
+    ap.add_argument("--budget-gib", type=float, default=None,
+                    help="plan the expert cache under this budget instead of preloading every block")
+    ap.add_argument("--warmup", type=int, default=4, help="steps before the timed passes")
     ap.add_argument("--no-thread-governor", action="store_true")
     a = ap.parse_args()
     import torch
 
     from mawforge.engine.runtime import Runtime, RuntimeOptions
     from mawforge.kernels import native
+    from mawforge.plan import Budget
     torch.set_num_threads(THREADS)
     pack = pack_of(synth_model(a.layers, "Q4_K_M", skew=1.0, stickiness=0.3))
-    context = max(512, a.context + 64 + a.tokens + 64)
-    rt = Runtime(pack, RuntimeOptions(context=context, expert_cache_percent=100, prefill_chunk=64, threads=THREADS,
-                                      check_digests=False, thread_governor=not a.no_thread_governor))
-    rt.cache.preload()
+    context = max(512, a.context + 64 + a.warmup + 3 * a.tokens + 64)
+    limited = a.budget_gib is not None
+    cache = dict(budget=Budget.from_gib(a.budget_gib, "--budget-gib"), stream_embeddings=True,
+                 prompt_cache_gib=0.0) if limited else dict(expert_cache_percent=100)
+    rt = Runtime(pack, RuntimeOptions(context=context, prefill_chunk=64, threads=THREADS, check_digests=False,
+                                      thread_governor=not a.no_thread_governor, **cache))
+    if not limited:
+        rt.cache.preload()
     if a.context:
         from fullsize import fill_cache
         fill_cache(rt.kv, a.context)
     rt.forward(tokens(64, 1))
-    dec = tokens(a.tokens + 4, 2)
+    # a limited cache misses differently on tokens it has seen: each pass takes tokens of its own
+    dec = tokens(a.warmup + 3 * a.tokens, 2)
+    passes = [dec[a.warmup + i * a.tokens:a.warmup + (i + 1) * a.tokens] for i in range(3)] if limited \
+        else [dec[a.warmup:a.warmup + a.tokens]] * 3
 
     def run(toks):
         out = []
@@ -85,19 +99,30 @@ def main() -> int:
             out.append(time.perf_counter() - t0)
         return out
 
-    run(dec[:4])
-    plain = run(dec[4:])
+    def reads():
+        s = rt.cache.counters()
+        return s["materialized_bytes"] + s["prefetch_issued_bytes"], rt.cache.read_wait_seconds()
+
+    run(dec[:a.warmup])
+    b0, w0 = reads()
+    plain = run(passes[0])
+    b1, w1 = reads()
     lib = native.library()
     native._lib = proxy = TimedLibrary(lib)
-    timed = run(dec[4:])
+    timed = run(passes[1])
     native._lib = lib
     prof = cProfile.Profile()
     prof.enable()
-    run(dec[4:])
+    run(passes[2])
     prof.disable()
     n = len(timed)
     print(f"step median {1e3 * statistics.median(plain):.2f} ms ({1 / statistics.median(plain):.2f} tok/s), "
           f"{a.layers} layers, {THREADS} threads, context {a.context} + 64 + {a.tokens}")
+    if limited:
+        p = rt.plan
+        print(f"  budget {a.budget_gib} GiB: expert cache {p.E / 2**30:.2f} GiB ({p.cache_percent:.1f}%); plain pass "
+              f"read {(b1 - b0) / len(plain) / 1e6:.0f} MB/token, waited on reads {1e3 * (w1 - w0) / len(plain):.1f} "
+              f"ms/token")
     c_total = sum(proxy.seconds.values()) / n
     for k in sorted(proxy.seconds, key=lambda k: -proxy.seconds[k]):
         print(f"  C {k:16s} {1e3 * proxy.seconds[k] / n:7.2f} ms/token  {proxy.calls[k] / n:5.1f} calls/token")

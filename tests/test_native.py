@@ -648,7 +648,7 @@ def test_a_failing_compiler_is_reported_once_with_its_message(tmp_path):
     r = _probe(tmp_path, _fake_cc(tmp_path, 'echo "fake-cc: error: no such target: $*" >&2; exit 1\n'))
     assert r.returncode == 0, r.stderr
     assert "AVAILABLE False SIMD False" in r.stdout
-    assert "WHY compiling kquant_gemm.c, decode_step.c failed" in r.stdout
+    assert "WHY compiling kquant_gemm.c, decode_step.c, reader.c failed" in r.stdout
     assert r.stderr.count("build with -march=native failed") == 1
     assert r.stderr.count("build with -march=x86-64 failed") == 1
     assert r.stderr.count("fake-cc: error: no such target") == 2

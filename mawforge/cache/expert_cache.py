@@ -152,7 +152,7 @@ class ExpertCache:
             jobs.append((key, slot))
         if asynchronous:
             for key, slot in jobs:
-                self.pending[key] = self.store.pool.submit(self.store.read_into, key[0], key[1], slot.mem.buf)
+                self.pending[key] = self.store.submit(key[0], key[1], slot.mem.buf)
         else:
             t0 = time.perf_counter()
             self.store.read_many([(k[0], k[1], s.mem.buf) for k, s in jobs])

@@ -2,8 +2,11 @@
 
 O_DIRECT with aligned buffers where the filesystem allows it (no page cache growing outside
 the budget), else buffered pread followed by POSIX_FADV_DONTNEED on the range. A small pool
-of reader threads serves concurrent misses (pread releases the GIL). Each block's digest is
-checked on its first read; a mismatch raises IntegrityError for that request.
+of reader threads serves concurrent misses and prefetches: native threads (NativeReadPool,
+kernels/native/reader.c) that never take the GIL where the native library is loaded, else
+Python threads (ReadPool; pread releases the GIL). Each block's digest is checked on its
+first read, by whoever takes the read's result; a mismatch raises IntegrityError for that
+request.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import torch
 
 from mawforge.byte_rules import PAGE, round_page  # noqa: F401  (re-exported)
 from mawforge.errors import IntegrityError
+from mawforge.kernels import native
 from mawforge.pack.manifest import EXPERTS, ExpertIndex, digest
 
 
@@ -178,9 +182,97 @@ class ReadPool:
                 t.join()
 
 
+def buffer_address(dst) -> int:
+    """The address of a read's destination: a ctypes array (SlotMemory's) or a writable buffer."""
+    if isinstance(dst, ctypes.Array):
+        return ctypes.addressof(dst)
+    return ctypes.addressof(ctypes.c_char.from_buffer(dst))
+
+
+class NativeRead:
+    """One read on a NativeReadPool, answering as a concurrent.futures.Future does for what the
+    expert cache asks (`done`, `result`, `exception`). The first `result` or `exception` waits
+    for the read (the GIL let go), frees the native job and checks the bytes (ExpertStore.finish:
+    length, digest), on the thread that asks; a later call gives the same answer."""
+
+    __slots__ = ("_pool", "_job", "_args", "_got", "_error")
+
+    def __init__(self, pool: "NativeReadPool", job: int, args: tuple) -> None:
+        self._pool, self._job, self._args = pool, job, args
+        self._got, self._error = 0, None
+
+    def done(self) -> bool:
+        return self._job is None or bool(self._pool.fns.done(self._job))
+
+    def _finish(self) -> None:
+        if self._job is None:
+            return
+        fns, job = self._pool.fns, self._job
+        got = fns.wait(self._pool.handle, job)
+        fns.free(job)
+        self._job = None
+        store, layer, expert, dst = self._args
+        self._args = None                       # the slot's memory is not held past the read
+        try:
+            if got < 0:
+                raise OSError(-got, f"reading {store.path.name} at layer {layer} expert {expert}: "
+                                    f"{os.strerror(-got)}")
+            self._got = store.finish(layer, expert, dst, got)
+        except BaseException as e:  # noqa: BLE001 - given to whoever takes the result
+            self._error = e
+
+    def result(self) -> int:
+        self._finish()
+        if self._error is not None:
+            raise self._error
+        return self._got
+
+    def exception(self) -> BaseException | None:
+        self._finish()
+        return self._error
+
+    def __del__(self) -> None:
+        if self._job is not None and self._pool.fns is not None:
+            self._finish()                      # never free a job a reader thread may still write
+
+
+class NativeReadPool:
+    """Reader threads in C (kernels/native/reader.c): demand reads before queued prefetches, as
+    ReadPool, but no read takes the GIL. With Python reader threads each read's bookkeeping took
+    it several times; on 2 cores, where the compute's kernels hold both, the compute thread then
+    waited, back from each kernel, for a reader to be scheduled and let it go."""
+
+    def __init__(self, fns: native.Reader, threads: int) -> None:
+        self.fns = fns
+        self.handle = fns.create(max(1, threads))
+        if not self.handle:
+            raise OSError("the native read pool could not start its threads")
+        self._closed = False
+
+    def submit_read(self, store: "ExpertStore", layer: int, expert: int, dst, length: int,
+                    demand: bool = False) -> NativeRead:
+        if self._closed:
+            raise RuntimeError("read pool is shut down")
+        off = store.index.block(layer, expert)[0]
+        job = self.fns.submit(self.handle, store.fd, off, length, buffer_address(dst), int(demand))
+        if not job:
+            raise MemoryError("the native read pool could not queue a read")
+        return NativeRead(self, job, (store, layer, expert, dst))
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Reads every queued job, then stops the threads (their results stay to be taken)."""
+        if not self._closed:
+            self._closed = True
+            self.fns.destroy(self.handle)
+            self.handle = None
+
+    def __del__(self) -> None:
+        self.shutdown()
+
+
 class ExpertStore:
     def __init__(self, pack: Path, index: ExpertIndex, *, direct: bool = True,
-                 check_digests: bool = True, threads: int = 4):
+                 check_digests: bool = True, threads: int = 4, native_reads: bool = True):
         self.path = Path(pack) / EXPERTS
         self.index = index
         self.check_digests = check_digests
@@ -200,7 +292,8 @@ class ExpertStore:
                 pass          # tmpfs and some filesystems refuse O_DIRECT: buffered fallback
         if not self.direct:
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
-        self.pool = ReadPool(threads)
+        fns = native.reader() if native_reads else None
+        self.pool = NativeReadPool(fns, threads) if fns is not None else ReadPool(threads)
         self.bytes_read = 0
 
     def _probe_direct(self, fd: int) -> bool:
@@ -213,10 +306,25 @@ class ExpertStore:
             mm.close()
 
     def read_into(self, layer: int, expert: int, dst: mmap.mmap) -> int:
-        """Read block (layer, expert) into dst (page-aligned, >= round_page(block))."""
+        """Read block (layer, expert) into dst (page-aligned, >= round_page(block)) on this thread."""
+        off, n, _ = self.index.block(layer, expert)
+        return self.finish(layer, expert, dst, os.preadv(self.fd, [memoryview(dst)[:self._length(n)]], off))
+
+    def _length(self, n: int) -> int:
+        return round_page(n) if self.direct else n
+
+    def submit(self, layer: int, expert: int, dst, demand: bool = False):
+        """Read block (layer, expert) into dst on the pool's threads; a Future-like answer
+        (`done`, `result`, `exception`) whose result is the block's bytes."""
+        if isinstance(self.pool, NativeReadPool):
+            n = self.index.block(layer, expert)[1]
+            return self.pool.submit_read(self, layer, expert, dst, self._length(n), demand=demand)
+        return self.pool.submit(self.read_into, layer, expert, dst, demand=demand)
+
+    def finish(self, layer: int, expert: int, dst, got: int) -> int:
+        """A read of `got` bytes into dst is done: check its length and, on its first read, the
+        block's digest; count it. Returns the block's bytes."""
         off, n, want = self.index.block(layer, expert)
-        length = round_page(n) if self.direct else n
-        got = os.preadv(self.fd, [memoryview(dst)[:length]], off)
         if got < n:
             raise IntegrityError(f"{self.path.name} is truncated at layer {layer} expert {expert}")
         if not self.direct:
@@ -237,8 +345,11 @@ class ExpertStore:
         if len(jobs) == 1:
             self.read_into(*jobs[0])
             return
-        for f in [self.pool.submit(self.read_into, *j, demand=True) for j in jobs]:
-            f.result()
+        futures = [self.submit(*j, demand=True) for j in jobs]
+        errors = [f.exception() for f in futures]          # every read done before the first error
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

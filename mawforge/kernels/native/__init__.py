@@ -20,6 +20,8 @@ dot product in integers (kquant_gemm.c explains the arithmetic).
 * `decode_layer(...)`: a decode step's layer up to the routed experts in one call (the norms,
   attention with its KV write, the residual, the router), composed of the calls above
   (models/fastpath.py binds its arguments).
+* `reader()` (reader.c): a pool of native threads reading expert blocks with pread, whose
+  reads never take the GIL (cache/store.py NativeReadPool).
 
 The C sources are compiled on first use with the system's C compiler into a cache directory
 ($MAWFORGE_CACHE or ~/.cache/mawforge), keyed by the sources, the compiler flags, the compiler's
@@ -49,7 +51,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 # every source compiled into the one library (the cache key covers all of them)
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("kquant_gemm.c", "decode_step.c"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("kquant_gemm.c", "decode_step.c", "reader.c"))
 # MAWFORGE_NATIVE_MARCH=x86-64 builds the portable scalar path (tests compare the two)
 MARCHES = [os.environ["MAWFORGE_NATIVE_MARCH"]] if os.environ.get("MAWFORGE_NATIVE_MARCH") else ["native", "x86-64"]
 BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
@@ -163,6 +165,38 @@ def library() -> ctypes.CDLL | None:
             if not _tried:
                 _lib, _tried = _build(), True
     return _lib
+
+
+class Reader:
+    """reader.c's entry points: `wait` through ctypes.CDLL (it blocks, so it lets the GIL go),
+    the quick ones (`submit`, `done`, `free`) through a PyDLL of the same library, which keeps
+    the GIL: letting it go for a microsecond's call would hand it to another thread."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        quick = ctypes.PyDLL(lib._name)
+        L = ctypes.c_long
+        for dll, name, args, res in ((lib, "rp_create", [_I], _P), (quick, "rp_submit", [_P, _I, L, L, _P, _I], _P),
+                                     (quick, "rp_done", [_P], _I), (lib, "rp_wait", [_P, _P], L),
+                                     (quick, "rp_free", [_P], None), (lib, "rp_destroy", [_P], None)):
+            f = getattr(dll, name)
+            f.argtypes, f.restype = args, res
+            setattr(self, name[3:], f)
+
+
+_reader: Reader | None = None
+
+
+def reader() -> Reader | None:
+    """The native read pool's functions, or None where the library is not loaded."""
+    global _reader
+    lib = library()
+    if lib is None:
+        return None
+    if _reader is None:
+        with _lock:
+            if _reader is None:
+                _reader = Reader(lib)
+    return _reader
 
 
 def why_unavailable() -> str | None:

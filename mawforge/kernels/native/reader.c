@@ -1,0 +1,158 @@
+/* Expert block reads on native threads (cache/store.py NativeReadPool).
+
+   The Python reader pool it replaces ran each read's bookkeeping (queue, future, wake-up) in
+   Python, so every read took the GIL a few times on a reader thread. On a 2-core machine each
+   grab landed while the compute thread's C kernels held both cores, so the compute thread, back
+   from a kernel, waited for a reader thread to be scheduled and let the GIL go. Here a read is
+   queued, performed and completed without Python: the engine thread submits a job (a pread of
+   `len` bytes at `off` into `dst`) and later waits for it, and the reader threads never touch
+   the interpreter.
+
+   Two queues, as the Python pool had: demand reads (a miss the compute waits for) are taken
+   before any queued prefetch. A job is a heap object the caller owns from rp_submit until
+   rp_free (after rp_wait, or after rp_destroy has drained the queues). */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+typedef struct rp_job {
+    struct rp_job *next;
+    int fd;
+    long off, len;
+    unsigned char *dst;
+    long got;          /* bytes read (a short count at end of file), valid once done */
+    int err;           /* errno of a failed read, 0 if none */
+    int done;          /* set (atomically, under the pool's lock) once the read has ended */
+} rp_job;
+
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t work, finished;
+    rp_job *demand_head, *demand_tail, *pf_head, *pf_tail;
+    int closed, n_threads;
+    pthread_t threads[64];
+} rp_pool;
+
+static void job_read(rp_job *j) {
+    long done = 0;
+    int err = 0;
+    while (done < j->len) {
+        ssize_t r = pread(j->fd, j->dst + done, (size_t)(j->len - done), (off_t)(j->off + done));
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            err = errno;
+            break;
+        }
+        if (r == 0) break;      /* end of file */
+        done += r;
+    }
+    j->got = done;
+    j->err = err;
+}
+
+static rp_job *pop(rp_job **head, rp_job **tail) {
+    rp_job *j = *head;
+    if (j) {
+        *head = j->next;
+        if (!*head) *tail = NULL;
+        j->next = NULL;
+    }
+    return j;
+}
+
+static void *worker(void *arg) {
+    rp_pool *p = (rp_pool *)arg;
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        rp_job *j = pop(&p->demand_head, &p->demand_tail);
+        if (!j) j = pop(&p->pf_head, &p->pf_tail);
+        if (!j) {
+            if (p->closed) break;
+            pthread_cond_wait(&p->work, &p->mu);
+            continue;
+        }
+        pthread_mutex_unlock(&p->mu);
+        job_read(j);
+        pthread_mutex_lock(&p->mu);
+        __atomic_store_n(&j->done, 1, __ATOMIC_RELEASE);
+        pthread_cond_broadcast(&p->finished);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+void *rp_create(int threads) {
+    if (threads < 1) threads = 1;
+    if (threads > 64) threads = 64;
+    rp_pool *p = calloc(1, sizeof *p);
+    if (!p) return NULL;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->work, NULL);
+    pthread_cond_init(&p->finished, NULL);
+    for (int i = 0; i < threads; i++) {
+        if (pthread_create(&p->threads[i], NULL, worker, p) != 0) break;
+        p->n_threads++;
+    }
+    if (p->n_threads == 0) {
+        free(p);
+        return NULL;
+    }
+    return p;
+}
+
+/* Queue a read; NULL when out of memory or the pool is closed. */
+void *rp_submit(void *pool, int fd, long off, long len, void *dst, int demand) {
+    rp_pool *p = (rp_pool *)pool;
+    rp_job *j = calloc(1, sizeof *j);
+    if (!j) return NULL;
+    j->fd = fd;
+    j->off = off;
+    j->len = len;
+    j->dst = (unsigned char *)dst;
+    pthread_mutex_lock(&p->mu);
+    if (p->closed) {
+        pthread_mutex_unlock(&p->mu);
+        free(j);
+        return NULL;
+    }
+    rp_job **head = demand ? &p->demand_head : &p->pf_head, **tail = demand ? &p->demand_tail : &p->pf_tail;
+    if (*tail) (*tail)->next = j; else *head = j;
+    *tail = j;
+    pthread_cond_signal(&p->work);
+    pthread_mutex_unlock(&p->mu);
+    return j;
+}
+
+/* Whether the job's read has ended. Needs no pool: valid after rp_destroy (every job is done). */
+int rp_done(void *job) { return __atomic_load_n(&((rp_job *)job)->done, __ATOMIC_ACQUIRE); }
+
+/* Block until the job is done; returns the bytes read, or -errno of a failed read. A job that is
+   done already (every job, after rp_destroy) does not touch the pool. */
+long rp_wait(void *pool, void *job) {
+    rp_pool *p = (rp_pool *)pool;
+    rp_job *j = (rp_job *)job;
+    if (!__atomic_load_n(&j->done, __ATOMIC_ACQUIRE)) {
+        pthread_mutex_lock(&p->mu);
+        while (!__atomic_load_n(&j->done, __ATOMIC_ACQUIRE)) pthread_cond_wait(&p->finished, &p->mu);
+        pthread_mutex_unlock(&p->mu);
+    }
+    return j->err ? -(long)j->err : j->got;
+}
+
+void rp_free(void *job) { free(job); }
+
+/* Read every queued job, stop the threads and free the pool (the jobs stay the caller's). */
+void rp_destroy(void *pool) {
+    rp_pool *p = (rp_pool *)pool;
+    pthread_mutex_lock(&p->mu);
+    p->closed = 1;
+    pthread_cond_broadcast(&p->work);
+    pthread_mutex_unlock(&p->mu);
+    for (int i = 0; i < p->n_threads; i++) pthread_join(p->threads[i], NULL);
+    pthread_cond_destroy(&p->work);
+    pthread_cond_destroy(&p->finished);
+    pthread_mutex_destroy(&p->mu);
+    free(p);
+}
