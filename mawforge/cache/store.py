@@ -189,6 +189,9 @@ def buffer_address(dst) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(dst))
 
 
+_FINISH = threading.Lock()
+
+
 class NativeRead:
     """One read on a NativeReadPool, answering as a concurrent.futures.Future does for what the
     expert cache asks (`done`, `result`, `exception`). The first `result` or `exception` waits
@@ -207,19 +210,22 @@ class NativeRead:
     def _finish(self) -> None:
         if self._job is None:
             return
-        fns, job = self._pool.fns, self._job
-        got = fns.wait(self._pool.handle, job)
-        fns.free(job)
-        self._job = None
-        store, layer, expert, dst = self._args
-        self._args = None                       # the slot's memory is not held past the read
-        try:
-            if got < 0:
-                raise OSError(-got, f"reading {store.path.name} at layer {layer} expert {expert}: "
-                                    f"{os.strerror(-got)}")
-            self._got = store.finish(layer, expert, dst, got)
-        except BaseException as e:  # noqa: BLE001 - given to whoever takes the result
-            self._error = e
+        with _FINISH:       # one thread frees a job; another asking meanwhile waits, then sees it done
+            if self._job is None:
+                return
+            fns, job = self._pool.fns, self._job
+            got = fns.wait(self._pool.handle, job)
+            fns.free(job)
+            self._job = None
+            store, layer, expert, dst = self._args
+            self._args = None                   # the slot's memory is not held past the read
+            try:
+                if got < 0:
+                    raise OSError(-got, f"reading {store.path.name} at layer {layer} expert {expert}: "
+                                        f"{os.strerror(-got)}")
+                self._got = store.finish(layer, expert, dst, got)
+            except BaseException as e:  # noqa: BLE001 - given to whoever takes the result
+                self._error = e
 
     def result(self) -> int:
         self._finish()
