@@ -6,12 +6,14 @@ MAWFORGE_BENCH_THREADS threads (2).
     python benchmarks/step_profile.py [--layers 24] [--tokens 32] [--context 0] [--budget-gib G]
                                       [--warmup 4] [--no-thread-governor]
 
-Three passes over the same tokens after a warm-up: plain (the step's wall time, no
-instrumentation; with --context N the cache first holds N synthetic positions, the rows
-fullsize.py's --fill-context writes), with each native entry point timed (a proxy around the ctypes library: the
-time inside C), and under cProfile, whose own-time per function is grouped into native kernels,
-torch ops, and the Python of each package (cProfile's per-call cost inflates Python; read its
-groups as shares, the plain median as the step).
+Three passes after --warmup steps, over the same tokens resident and over tokens of their own
+under a budget (a limited cache would hit on tokens it has just seen): plain (the step's wall
+time, no instrumentation; with --context N the cache first holds N synthetic positions, the rows
+fullsize.py's --fill-context writes; under a budget also the bytes read and the compute's wait on
+reads a token), with each native entry point timed (a proxy around the ctypes library: the time
+inside C, and the GIL taken back after it), and under cProfile, whose own-time per function is
+grouped into native kernels, torch ops, and the Python of each package (cProfile's per-call cost
+inflates Python; read its groups as shares, the plain median as the step).
 """
 from __future__ import annotations
 

@@ -189,7 +189,8 @@ def buffer_address(dst) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(dst))
 
 
-_FINISH = threading.Lock()
+# re-entrant: a read dropped unfinished (its __del__ finishes it) may go while this thread holds it
+_FINISH = threading.RLock()
 
 
 class NativeRead:
@@ -238,7 +239,7 @@ class NativeRead:
         return self._error
 
     def __del__(self) -> None:
-        if self._job is not None and self._pool.fns is not None:
+        if self._job is not None:
             self._finish()                      # never free a job a reader thread may still write
 
 
@@ -251,9 +252,9 @@ class NativeReadPool:
     def __init__(self, fns: native.Reader, threads: int) -> None:
         self.fns = fns
         self.handle = fns.create(max(1, threads))
-        if not self.handle:
+        self._closed = not self.handle
+        if self._closed:
             raise OSError("the native read pool could not start its threads")
-        self._closed = False
 
     def submit_read(self, store: "ExpertStore", layer: int, expert: int, dst, length: int,
                     demand: bool = False) -> NativeRead:
@@ -266,7 +267,8 @@ class NativeReadPool:
         return NativeRead(self, job, (store, layer, expert, dst))
 
     def shutdown(self, wait: bool = True) -> None:
-        """Reads every queued job, then stops the threads (their results stay to be taken)."""
+        """Reads every queued job, then stops the threads (their results stay to be taken); it
+        always waits (`wait` is ReadPool's signature)."""
         if not self._closed:
             self._closed = True
             self.fns.destroy(self.handle)
