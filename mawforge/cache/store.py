@@ -256,11 +256,10 @@ class NativeReadPool:
         if self._closed:
             raise OSError("the native read pool could not start its threads")
 
-    def submit_read(self, store: "ExpertStore", layer: int, expert: int, dst, length: int,
+    def submit_read(self, store: "ExpertStore", layer: int, expert: int, dst, off: int, length: int,
                     demand: bool = False) -> NativeRead:
         if self._closed:
             raise RuntimeError("read pool is shut down")
-        off = store.index.block(layer, expert)[0]
         job = self.fns.submit(self.handle, store.fd, off, length, buffer_address(dst), int(demand))
         if not job:
             raise MemoryError("the native read pool could not queue a read")
@@ -325,8 +324,8 @@ class ExpertStore:
         """Read block (layer, expert) into dst on the pool's threads; a Future-like answer
         (`done`, `result`, `exception`) whose result is the block's bytes."""
         if isinstance(self.pool, NativeReadPool):
-            n = self.index.block(layer, expert)[1]
-            return self.pool.submit_read(self, layer, expert, dst, self._length(n), demand=demand)
+            off, n, _ = self.index.block(layer, expert)
+            return self.pool.submit_read(self, layer, expert, dst, off, self._length(n), demand=demand)
         return self.pool.submit(self.read_into, layer, expert, dst, demand=demand)
 
     def finish(self, layer: int, expert: int, dst, got: int) -> int:
