@@ -193,8 +193,8 @@ class MawEngine:
         return self.rt.cache.read_wait_seconds()
 
     def read_bytes(self) -> int:
-        s = self.rt.cache.stats()
-        return s["materialized_bytes"] + s["prefetch_issued_bytes"]
+        from mawforge.cache.core import read_bytes
+        return read_bytes(self.rt.cache.stats())
 
     def needed_bytes(self) -> int:
         return self.rt.cache.prefill_needed_bytes()

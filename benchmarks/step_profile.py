@@ -71,6 +71,7 @@ def main() -> int:
     a = ap.parse_args()
     import torch
 
+    from mawforge.cache.core import read_bytes
     from mawforge.engine.runtime import Runtime, RuntimeOptions
     from mawforge.kernels import native
     from mawforge.plan import Budget
@@ -103,7 +104,7 @@ def main() -> int:
 
     def reads():
         s = rt.cache.counters()
-        return s["materialized_bytes"] + s["prefetch_issued_bytes"], rt.cache.read_wait_seconds()
+        return read_bytes(s), rt.cache.read_wait_seconds()
 
     run(dec[:a.warmup])
     b0, w0 = reads()

@@ -20,6 +20,13 @@ BlockBytes = Callable[[int, int], int]  # (layer, expert) -> block bytes
 HEAT_FIELDS = ("hits", "misses", "evictions", "prefetch_loads", "prefetch_useful", "prefetch_wasted")
 
 
+def read_bytes(counters) -> int:
+    """Bytes these counters say the cache read from the pack (a stats() or totals() dict, or
+    CacheStats.to_dict()): demand loads plus prefetches issued, a prefetch counted when issued,
+    used or not."""
+    return counters["materialized_bytes"] + counters["prefetch_issued_bytes"]
+
+
 def min_capacity(block_sizes_per_layer: Sequence[int | Sequence[int]], top_k: int) -> int:
     """Bytes of the largest layer's top-k working set: the k largest blocks of a layer.
     Each item is one layer's block size (uniform) or its per-expert block sizes."""

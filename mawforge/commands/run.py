@@ -7,6 +7,7 @@ import os
 import sys
 from dataclasses import replace
 
+from mawforge.cache.core import read_bytes
 from mawforge.commands.plan import add_budget_arguments, plan_options
 from mawforge.plan import PREFILL_WAVE
 
@@ -64,7 +65,7 @@ class PrefillProgress:
     def __init__(self, rt, stream=None):
         self.rt, self.stream, self.bar = rt, stream or sys.stderr, None
         s = rt.cache.stats()
-        self.read0 = s["materialized_bytes"] + s["prefetch_issued_bytes"]
+        self.read0 = read_bytes(s)
 
     @classmethod
     def install(cls, rt, stream=None) -> "PrefillProgress | None":
@@ -84,7 +85,7 @@ class PrefillProgress:
             self.bar = tqdm(total=total, unit="tok", desc="prefill", file=self.stream, leave=False,
                             mininterval=0, ncols=size.columns or 80, nrows=size.lines or 24)
         s = self.rt.cache.stats()
-        read = s["materialized_bytes"] + s["prefetch_issued_bytes"] - self.read0
+        read = read_bytes(s) - self.read0
         self.bar.n = done
         self.bar.set_postfix_str(f"read {read / 2**20:.1f} MiB")      # draws the bar
         if done >= total:

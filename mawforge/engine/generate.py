@@ -12,6 +12,7 @@ from typing import Callable, Iterator, Protocol
 
 import torch
 
+from mawforge.cache.core import read_bytes
 from mawforge.engine.processors import TokenLogprob
 from mawforge.engine.prompt_reuse import prefill
 from mawforge.engine.runtime import Runtime
@@ -125,8 +126,7 @@ def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
     finally:
         rt.interrupt = None
     after = rt.cache.stats()
-    read = lambda s: s["materialized_bytes"] + s["prefetch_issued_bytes"]    # demand reads and prefetch reads
-    prefill_read = read(after) - read(before)
+    prefill_read = read_bytes(after) - read_bytes(before)
     stalls, decoder, context = StallMeter(), None, list(prompt)
     try:
         decoder = speculative.decoder(prompt, params, sampler) if speculative is not None else PlainDecoder(rt, sampler)

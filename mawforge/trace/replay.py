@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from mawforge.cache.core import CacheCore, CacheStats, min_capacity
+from mawforge.cache.core import CacheCore, CacheStats, min_capacity, read_bytes
 from mawforge.cache.driver import RouteDriver
 from mawforge.cache.policies import make_policy
 from mawforge.cache.prefetchers import make_prefetcher
@@ -148,7 +148,7 @@ def _row(trace: Trace, budget: Budget, family: str, spec: str, seed, prefetch: s
                prefetch=prefetch, status=status, note=note)
     d = stats.to_dict() if stats else {}
     row.update({f: d.get(f, "") for f in STAT_FIELDS})
-    row["loaded_bytes"] = (d["materialized_bytes"] + d["prefetch_issued_bytes"]) if stats else ""
+    row["loaded_bytes"] = read_bytes(d) if stats else ""
     return row
 
 
