@@ -9,11 +9,13 @@ MAWFORGE_BENCH_THREADS threads (2).
 Three passes after --warmup steps, over the same tokens resident and over tokens of their own
 under a budget (a limited cache would hit on tokens it has just seen): plain (the step's wall
 time, no instrumentation; with --context N the cache first holds N synthetic positions, the rows
-fullsize.py's --fill-context writes; under a budget also the bytes read and the compute's wait on
-reads a token), with each native entry point timed (a proxy around the ctypes library: the time
-inside C, and the GIL taken back after it), and under cProfile, whose own-time per function is
-grouped into native kernels, torch ops, and the Python of each package (cProfile's per-call cost
-inflates Python; read its groups as shares, the plain median as the step).
+fullsize.py's --fill-context writes; minor page faults a token, the engine thread's apart; under a
+budget also the bytes read (demand reads, prefetches, prefetches evicted unused), the slots reshaped
+to another size class, and the compute's wait on reads a token), with each native entry point
+timed (a proxy around the ctypes library: the time inside C, and the GIL taken back after it),
+and under cProfile, whose own-time per function is grouped into native kernels, torch ops, and
+the Python of each package (cProfile's per-call cost inflates Python; read its groups as shares,
+the plain median as the step).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import argparse
 import cProfile
 import os
 import pstats
+import resource
 import statistics
 import sys
 import time
@@ -46,6 +49,9 @@ class TimedLibrary:
             self.calls[name] = self.calls.get(name, 0) + 1
             return r
         return timed
+
+
+RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", 1)   # Linux: the calling thread's own counts
 
 
 def group(path: str, name: str) -> str:
@@ -106,10 +112,20 @@ def main() -> int:
         s = rt.cache.counters()
         return read_bytes(s), rt.cache.read_wait_seconds()
 
+    def where() -> dict:
+        """What the cache did and the page faults taken, the engine thread's apart from the rest."""
+        s = rt.cache.counters()
+        return dict(demand=s["demand_loaded_bytes"], prefetch=s["prefetch_issued_bytes"],
+                    wasted=s["prefetch_wasted_bytes"], reshaped=rt.cache.reshaped,
+                    faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
+                    engine_faults=resource.getrusage(RUSAGE_THREAD).ru_minflt)
+
     run(dec[:a.warmup])
     b0, w0 = reads()
+    c0 = where()
     plain = run(passes[0])
     b1, w1 = reads()
+    c1 = {k: (v - c0[k]) / len(passes[0]) for k, v in where().items()}
     lib = native.library()
     native._lib = proxy = TimedLibrary(lib)
     timed = run(passes[1])
@@ -126,6 +142,12 @@ def main() -> int:
         print(f"  budget {a.budget_gib} GiB: expert cache {p.E / 2**30:.2f} GiB ({p.cache_percent:.1f}%); plain pass "
               f"read {(b1 - b0) / len(plain) / 1e6:.0f} MB/token, waited on reads {1e3 * (w1 - w0) / len(plain):.1f} "
               f"ms/token")
+        print(f"  a token: demand reads {c1['demand'] / 1e6:.0f} MB, prefetches {c1['prefetch'] / 1e6:.0f} MB "
+              f"({c1['wasted'] / 1e6:.1f} MB evicted unused), {c1['reshaped']:.1f} slots reshaped to another size "
+              f"class; minor page faults {c1['faults']:.0f} ({c1['engine_faults']:.0f} on the engine thread, the "
+              f"rest on readers and OpenMP workers)")
+    else:
+        print(f"  minor page faults a token: {c1['faults']:.0f} ({c1['engine_faults']:.0f} on the engine thread)")
     c_total = sum(proxy.seconds.values()) / n
     for k in sorted(proxy.seconds, key=lambda k: -proxy.seconds[k]):
         print(f"  C {k:16s} {1e3 * proxy.seconds[k] / n:7.2f} ms/token  {proxy.calls[k] / n:5.1f} calls/token")
