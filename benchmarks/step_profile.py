@@ -108,23 +108,19 @@ def main() -> int:
             out.append(time.perf_counter() - t0)
         return out
 
-    def reads():
-        s = rt.cache.counters()
-        return read_bytes(s), rt.cache.read_wait_seconds()
-
     def where() -> dict:
-        """What the cache did and the page faults taken, the engine thread's apart from the rest."""
+        """What the cache did, the compute's wait on reads and the page faults taken, the engine
+        thread's apart from the rest."""
         s = rt.cache.counters()
-        return dict(demand=s["demand_loaded_bytes"], prefetch=s["prefetch_issued_bytes"],
+        return dict(read=read_bytes(s), wait=rt.cache.read_wait_seconds(),
+                    demand=s["demand_loaded_bytes"], prefetch=s["prefetch_issued_bytes"],
                     wasted=s["prefetch_wasted_bytes"], reshaped=rt.cache.reshaped,
                     faults=resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
                     engine_faults=resource.getrusage(RUSAGE_THREAD).ru_minflt)
 
     run(dec[:a.warmup])
-    b0, w0 = reads()
     c0 = where()
     plain = run(passes[0])
-    b1, w1 = reads()
     c1 = {k: (v - c0[k]) / len(passes[0]) for k, v in where().items()}
     lib = native.library()
     native._lib = proxy = TimedLibrary(lib)
@@ -140,7 +136,7 @@ def main() -> int:
     if limited:
         p = rt.plan
         print(f"  budget {a.budget_gib} GiB: expert cache {p.E / 2**30:.2f} GiB ({p.cache_percent:.1f}%); plain pass "
-              f"read {(b1 - b0) / len(plain) / 1e6:.0f} MB/token, waited on reads {1e3 * (w1 - w0) / len(plain):.1f} "
+              f"read {c1['read'] / 1e6:.0f} MB/token, waited on reads {1e3 * c1['wait']:.1f} "
               f"ms/token")
         print(f"  a token: demand reads {c1['demand'] / 1e6:.0f} MB, prefetches {c1['prefetch'] / 1e6:.0f} MB "
               f"({c1['wasted'] / 1e6:.1f} MB evicted unused), {c1['reshaped']:.1f} slots reshaped to another size "

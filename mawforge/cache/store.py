@@ -158,6 +158,11 @@ class ReadPool:
             self._cv.notify()
         return fut
 
+    def submit_read(self, store: "ExpertStore", layer: int, expert: int, dst, off: int, length: int,
+                    demand: bool = False) -> Future:
+        """A block read (NativeReadPool's entry point): `store.read_at` on a reader thread."""
+        return self.submit(store.read_at, layer, expert, dst, off, length, demand=demand)
+
     def _work(self) -> None:
         while True:
             with self._cv:
@@ -315,7 +320,11 @@ class ExpertStore:
     def read_into(self, layer: int, expert: int, dst: mmap.mmap) -> int:
         """Read block (layer, expert) into dst (page-aligned, >= round_page(block)) on this thread."""
         off, n, _ = self.index.block(layer, expert)
-        return self.finish(layer, expert, dst, os.preadv(self.fd, [memoryview(dst)[:self._length(n)]], off))
+        return self.read_at(layer, expert, dst, off, self._length(n))
+
+    def read_at(self, layer: int, expert: int, dst, off: int, length: int) -> int:
+        """Read block (layer, expert), `length` bytes at `off`, into dst on this thread."""
+        return self.finish(layer, expert, dst, os.preadv(self.fd, [memoryview(dst)[:length]], off))
 
     def _length(self, n: int) -> int:
         return round_page(n) if self.direct else n
@@ -323,10 +332,8 @@ class ExpertStore:
     def submit(self, layer: int, expert: int, dst, demand: bool = False):
         """Read block (layer, expert) into dst on the pool's threads; a Future-like answer
         (`done`, `result`, `exception`) whose result is the block's bytes."""
-        if isinstance(self.pool, NativeReadPool):
-            off, n, _ = self.index.block(layer, expert)
-            return self.pool.submit_read(self, layer, expert, dst, off, self._length(n), demand=demand)
-        return self.pool.submit(self.read_into, layer, expert, dst, demand=demand)
+        off, n, _ = self.index.block(layer, expert)
+        return self.pool.submit_read(self, layer, expert, dst, off, self._length(n), demand=demand)
 
     def finish(self, layer: int, expert: int, dst, got: int) -> int:
         """A read of `got` bytes into dst is done: check its length and, on its first read, the
