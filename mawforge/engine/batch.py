@@ -356,8 +356,6 @@ def _head_takes_rows(model) -> bool:
     """True where the LM head over several sequences' rows gives each row its own call's bits:
     the shared logits() over GGUF rows the native kernels compute (torch's float GEMMs may sum a
     row differently when it has company)."""
-    from mawforge.kernels import native
+    from mawforge.kernels.cpu import native_rows
     from mawforge.models.base import MoETransformer
-    w = model.w.head()
-    return (type(model).logits is MoETransformer.logits and getattr(w, "codec", None) == "ggml"
-            and w.device.type == "cpu" and native.available(w.ggml_type))
+    return type(model).logits is MoETransformer.logits and native_rows(model.w.head()) is not None

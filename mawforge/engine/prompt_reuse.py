@@ -27,6 +27,7 @@ import torch
 from mawforge.byte_rules import prompt_entry_bytes
 from mawforge.engine.prompt_cache import Entry, PromptStore, canonical, reusable
 from mawforge.kernels import native
+from mawforge.kernels.cpu import NATIVE_PARTS
 from mawforge.models.kv import layer_layout
 
 
@@ -55,7 +56,7 @@ def rows_exact(rt) -> bool:
         return False
     for lb in rt.index.layers:
         for t in lb.tensors:
-            if t.codec != "ggml" or t.qtype not in T.__members__ or not native.available(T[t.qtype]):
+            if t.codec not in NATIVE_PARTS or t.qtype not in T.__members__ or not native.available(T[t.qtype]):
                 return False
     return True
 

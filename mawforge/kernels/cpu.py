@@ -79,19 +79,44 @@ class DenseF32(LinearKernel, codecs=("f32",)):
         return F.linear(x.float(), w.parts["weight"]).to(x.dtype)
 
 
+# the part of each codec whose bytes are GGUF rows the native kernels compute on
+NATIVE_PARTS = {"ggml": "blocks", "f16": "weight", "bf16": "weight"}
+
+
+def native_rows(w, m: int = 1) -> torch.Tensor | None:
+    """The GGUF rows (uint8 [N, row bytes], a view) the native kernels compute this weight from,
+    for m tokens on this device, or None where they cannot (another codec, device or type)."""
+    part = NATIVE_PARTS.get(getattr(w, "codec", None))
+    if part is None or m > NATIVE_MAX_M or w.device.type != "cpu" or not native.available(w.ggml_type):
+        return None
+    t = w.parts[part]
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def _native(x: torch.Tensor, w) -> torch.Tensor | None:
+    rows = native_rows(w, x.shape[0])
+    return None if rows is None else native.gemm(x, rows, w.ggml_type, *w.shape).to(x.dtype)
+
+
 class DenseBF16(LinearKernel, codecs=("bf16",)):
+    """The native kernels (x rounded to bf16, as llama.cpp's vec_dot type for BF16), else torch."""
+
     @staticmethod
     def run(x, w):
-        return F.linear(x.to(torch.bfloat16), w.parts["weight"]).to(x.dtype)
+        y = _native(x, w)
+        return y if y is not None else F.linear(x.to(torch.bfloat16), w.parts["weight"]).to(x.dtype)
 
 
 class DenseF16(LinearKernel, codecs=("f16",)):
-    """CPU float16 GEMM is slow beyond a GEMV, and bf16 would round the weights: widen tiles
-    of W to float32 (exact) and compute in float32, on x rounded to float16 first, as llama.cpp
-    does (float16 is the vec_dot type of F16 weights)."""
+    """The native kernels where they build; else (CPU float16 GEMM is slow beyond a GEMV, and bf16
+    would round the weights) widen tiles of W to float32 (exact) and compute in float32, on x
+    rounded to float16 first, as llama.cpp does (float16 is the vec_dot type of F16 weights)."""
 
     @staticmethod
     def run(x, w):
+        y = _native(x, w)
+        if y is not None:
+            return y
         weight = w.parts["weight"]
         xh = x.to(torch.float16).float()
         return _tiled(xh, w.shape[0], w.shape[1], lambda r0, r1: weight[r0:r1].float()).to(x.dtype)
@@ -125,16 +150,17 @@ class Int8G32(LinearKernel, codecs=("int8_g32_avx512", "int8_g32_avx2", "int8_g3
 
 
 class Ggml(LinearKernel, codecs=("ggml",)):
-    """Byte-exact GGUF blocks. Up to NATIVE_MAX_M tokens on the CPU, Q4_0, Q8_0, Q4_K, Q5_K and
-    Q6_K run the native kernels (mawforge/kernels/native: x quantized to q8 as llama.cpp does,
+    """Byte-exact GGUF blocks. Up to NATIVE_MAX_M tokens on the CPU, every type in native.TYPES
+    runs the native kernels (mawforge/kernels/native: x quantized to llama.cpp's vec_dot type,
     integer block dot products). Otherwise dequantize row tiles (bit-exact float32) and
     multiply: in float32 for few tokens, in bf16 for many."""
 
     @staticmethod
     def run(x, w):
+        y = _native(x, w)
+        if y is not None:
+            return y
         blocks, (n, k) = w.parts["blocks"], w.shape
-        if x.shape[0] <= NATIVE_MAX_M and w.device.type == "cpu" and native.available(w.ggml_type):
-            return native.gemm(x, blocks, w.ggml_type, n, k).to(x.dtype)
         dtype = torch.float32 if x.shape[0] <= GGML_FP32_MAX_M else torch.bfloat16
         tile = lambda r0, r1: dequant.dequantize_rows(blocks[r0:r1], w.ggml_type, k).to(dtype)
         return _tiled(x.to(dtype), n, k, tile).to(x.dtype)
@@ -148,7 +174,7 @@ def native_swiglu_types(parts: dict[str, PackedWeight], m: int) -> tuple[T, T, T
     down = parts.get("down")
     gates = [parts["gate_up"]] * 2 if "gate_up" in parts else [parts.get("gate"), parts.get("up")]
     ws = [*gates, down]
-    if any(w is None or w.codec != "ggml" or w.device.type != "cpu" or not native.available(w.ggml_type) for w in ws):
+    if any(w is None or native_rows(w, m) is None for w in ws):
         return None
     return ws[0].ggml_type, ws[1].ggml_type, ws[2].ggml_type
 

@@ -33,9 +33,9 @@ NORM_KIND = {"none": 0, "head": 1, "full": 2}
 
 def _native_rows(w) -> tuple | None:
     """(raw rows, GGML type) of a weight the native gemm takes, else None."""
-    if getattr(w, "codec", None) != "ggml" or w.device.type != "cpu" or not native.available(w.ggml_type):
-        return None
-    return w.parts["blocks"].contiguous(), int(w.ggml_type)
+    from mawforge.kernels.cpu import native_rows
+    rows = native_rows(w)
+    return None if rows is None else (rows.contiguous(), int(w.ggml_type))
 
 
 def _f32_vector(t, n: int) -> bool:

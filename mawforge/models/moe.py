@@ -140,12 +140,12 @@ class MoEBlock:
         ptrs, f = None, None
         if types is not None:
             f = parts["down"].shape[1]
+            rows = kernels.native_rows
             if "gate_up" in parts:
-                g = parts["gate_up"].parts["blocks"]
-                ptrs = (g.data_ptr(), g[f:].data_ptr(), parts["down"].parts["blocks"].data_ptr())
+                g = rows(parts["gate_up"])
+                ptrs = (g.data_ptr(), g[f:].data_ptr(), rows(parts["down"]).data_ptr())
             else:
-                ptrs = (parts["gate"].parts["blocks"].data_ptr(), parts["up"].parts["blocks"].data_ptr(),
-                        parts["down"].parts["blocks"].data_ptr())
+                ptrs = (rows(parts["gate"]).data_ptr(), rows(parts["up"]).data_ptr(), rows(parts["down"]).data_ptr())
         if len(self._memo) >= self.MEMO_MAX:
             self._memo.clear()
         hit = self._memo[id(parts)] = (parts, types, ptrs, f)

@@ -52,12 +52,21 @@ from gguf import GGMLQuantizationType as T
 
 # every source compiled into the one library (the cache key covers all of them)
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("kquant_gemm.c", "decode_step.c", "reader.c"))
+# headers they include (in the cache key too)
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("quant_types.h", "iq_tables.h"))
 # MAWFORGE_NATIVE_MARCH=x86-64 builds the portable scalar path (tests compare the two)
 MARCHES = [os.environ["MAWFORGE_NATIVE_MARCH"]] if os.environ.get("MAWFORGE_NATIVE_MARCH") else ["native", "x86-64"]
 BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-TYPES = (T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
-# the activation type llama.cpp quantizes x to for each weight type (its "vec_dot_type")
-ACT_BLOCK = {T.Q4_0: 32, T.Q8_0: 32, T.Q4_K: 256, T.Q5_K: 256, T.Q6_K: 256}
+# every GGUF type the kernels compute on: the first five in kquant_gemm.c, the rest in quant_types.h
+Q8_K_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ3_XXS, T.IQ3_S, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S,
+              T.IQ1_S, T.IQ1_M)
+Q8_0_TYPES = (T.Q4_0, T.Q8_0, T.Q5_0, T.IQ4_NL, T.MXFP4)
+Q8_1_TYPES = (T.Q4_1, T.Q5_1)
+FLOAT_TYPES = (T.F16, T.BF16)
+TYPES = (*Q8_0_TYPES, *Q8_1_TYPES, *Q8_K_TYPES, *FLOAT_TYPES)
+# elements one activation scale covers for each weight type: llama.cpp's "vec_dot_type" of it
+# (q8_K 256, q8_0 / q8_1 32; F16 and BF16 round x to their own type, no scale: 32 is the step)
+ACT_BLOCK = {**{t: 256 for t in Q8_K_TYPES}, **{t: 32 for t in (*Q8_0_TYPES, *Q8_1_TYPES, *FLOAT_TYPES)}}
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -107,7 +116,7 @@ def _compile(cc: str, march: str, cache: Path) -> tuple[Path | None, str]:
     """The cached library for this source, flags, compiler and CPU, compiled if missing.
     Returns (path, "") or (None, the compiler's message)."""
     flags = [*BASE_FLAGS, f"-march={march}"]
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(flags).encode()
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in (*SOURCES, *HEADERS)) + " ".join(flags).encode()
                          + _compiler_version(cc).encode()
                          + cpu_flags().encode()).hexdigest()[:16]
     lib = cache / f"kquant_gemm-{key}.so"
@@ -268,15 +277,19 @@ def gemm(x: torch.Tensor, raw: torch.Tensor, qtype: T, n: int, k: int) -> torch.
 
 def quantize_acts(x: torch.Tensor, qtype: T) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The activation rounding the kernels apply before a dot with qtype rows: x [K] ->
-    (q int8 [K], d float32 [K / block], sums of 16 int16 [K / 16]) (the sums for q8_K only)."""
+    (q int8 [K], d float32 [K / block], sums of 16 int16 [K / 16]) (the sums for q8_K only; for
+    q8_1 the bytes of the sums hold each block's s as float32 [K / 32]). For F16 / BF16 weights q
+    is x rounded to that type, float32 [K], and d and bs are unused."""
     lib = library()
     xf = x.float().contiguous()
     k = xf.shape[0]
-    q = torch.empty(k, dtype=torch.int8)
+    q = torch.empty(k * (4 if qtype in FLOAT_TYPES else 1), dtype=torch.int8)
     d = torch.empty(k // ACT_BLOCK[qtype], dtype=torch.float32)
     bs = torch.zeros(k // 16, dtype=torch.int16)
     if lib.quantize_acts(int(qtype), xf.data_ptr(), k, q.data_ptr(), d.data_ptr(), bs.data_ptr()) != 0:
         raise ValueError(f"cannot quantize activations for {T(qtype).name} with K={k}")
+    if qtype in FLOAT_TYPES:
+        return q.view(torch.float32), d, bs
     return q, d, bs
 
 

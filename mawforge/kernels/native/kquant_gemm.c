@@ -89,10 +89,29 @@ static inline int nearest_int(float v) {  /* round half to even, |v| < 2^22 */
 /* A quantized row of K values: q int8 [K], d float [K/256 or K/32], bs int16 [K/16] (q8_K only). */
 typedef struct { int8_t *q; float *d; int16_t *bs; } qrow;
 
-static int act_kind(int type) { return (type == T_Q8_0 || type == T_Q4_0) ? 0 : 1; }   /* 0 q8_0, 1 q8_K */
-static int is_supported(int type) {
-    return type == T_Q4_0 || type == T_Q8_0 || type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
+enum { T_F16 = 1, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q2_K = 10, T_Q3_K = 11, T_IQ2_XXS = 16, T_IQ2_XS = 17,
+       T_IQ3_XXS = 18, T_IQ1_S = 19, T_IQ4_NL = 20, T_IQ3_S = 21, T_IQ2_S = 22, T_IQ4_XS = 23, T_IQ1_M = 29,
+       T_BF16 = 30, T_MXFP4 = 39 };
+/* activation kinds: 0 q8_0, 1 q8_K, 2 q8_1, 3 f16, 4 bf16 */
+enum { A_Q80 = 0, A_Q8K = 1, A_Q81 = 2, A_F16 = 3, A_BF16 = 4 };
+
+static int act_kind(int type) {
+    switch (type) {
+    case T_Q8_0: case T_Q4_0: case T_Q5_0: case T_IQ4_NL: case T_MXFP4: return A_Q80;
+    case T_Q4_1: case T_Q5_1: return A_Q81;
+    case T_F16: return A_F16;
+    case T_BF16: return A_BF16;
+    default: return A_Q8K;
+    }
 }
+/* elements of x one activation scale covers (the row length must be a multiple) */
+static int act_block(int type) {
+    const int a = act_kind(type);
+    return a == A_Q8K ? QK : a == A_F16 || a == A_BF16 ? 32 : Q80;
+}
+static int act_float(int type) { const int a = act_kind(type); return a == A_F16 || a == A_BF16; }
+
+static int is_supported(int type);
 
 /* q8_K as llama.cpp's quantize_row_q8_K / quantize_mat_q8_K: the scale maps the element of largest
    magnitude to -127 (iscale = -127 / max, max signed), d = 1 / iscale. */
@@ -197,12 +216,13 @@ static void quant_q80(const float *x, int K, qrow r) {
 #define quant_q80 quant_q80_c
 #endif
 
-static void quant_row(int type, const float *x, int K, qrow r) {
-    if (act_kind(type)) quant_q8k(x, K, r); else quant_q80(x, K, r);
-}
 
 /* bytes of scratch one quantized row of K needs, and a qrow laid out in it */
-static size_t qrow_bytes(int K) { return (size_t)K + (size_t)(K / Q80) * 4 + (size_t)(K / 16) * 2 + 64; }
+/* q8 rows: K int8, the scales, the sums of 16 (q8_1 keeps its s there); float rows (F16 / BF16
+   weights) keep x as float32 in the q bytes: 4 K */
+static size_t qrow_bytes(int type, int K) {
+    return (size_t)K * (act_float(type) ? 4 : 1) + (size_t)(K / Q80) * 4 + (size_t)(K / 16) * 2 + 64;
+}
 static qrow qrow_at(uint8_t *base, int K) {
     qrow r; r.q = (int8_t *)base;
     r.d = (float *)(base + ((K + 15) & ~15));
@@ -955,6 +975,18 @@ int simd_path(void) { return 0; }
 int vnni_path(void) { return 0; }
 #endif
 
+#include "quant_types.h"
+
+static void quant_row(int type, const float *x, int K, qrow r) {
+    switch (act_kind(type)) {
+    case A_Q8K: quant_q8k(x, K, r); break;
+    case A_Q81: quant_q81(x, K, r); break;
+    case A_F16: quant_float(x, K, r, 0); break;
+    case A_BF16: quant_float(x, K, r, 1); break;
+    default: quant_q80(x, K, r);
+    }
+}
+
 typedef float (*dot_fn)(const uint8_t *, int, qrow);
 typedef void (*dot4_fn)(const uint8_t *, int, const qrow *, float *);
 typedef void (*dot2_fn)(const uint8_t *, const uint8_t *, int, qrow, float *);
@@ -980,8 +1012,7 @@ static dot4_fn dot4_for(int type) {
     if (type == T_Q8_0) return dot4_q80;
     if (type == T_Q4_0) return dot4_q40;
 #endif
-    (void)type;
-    return 0;
+    return more_dot4_for(type);
 }
 static dot_fn dot_for(int type, int K, int *nb, long *row_bytes) {
     switch (type) {
@@ -991,8 +1022,9 @@ static dot_fn dot_for(int type, int K, int *nb, long *row_bytes) {
     case T_Q8_0: *nb = K / Q80; *row_bytes = (long)*nb * 34; return dot_q80;
     case T_Q4_0: *nb = K / Q80; *row_bytes = (long)*nb * 18; return dot_q40;
     }
-    return 0;
+    return more_dot_for(type, K, nb, row_bytes);
 }
+static int is_supported(int type) { int nb; long rb; return dot_for(type, QK, &nb, &rb) != 0; }
 
 /* per-thread scratch that only grows (the caller's Python thread; OpenMP workers never allocate) */
 static _Thread_local uint8_t *scratch = 0;
@@ -1130,8 +1162,8 @@ long set_pair_max(long nbytes) { const long old = g_pair_max; g_pair_max = nbyte
 int qgemm(int type, const float *x, int M, int K, const uint8_t *w, int N, float *y) {
     int nb; long rb;
     dot_fn dot = dot_for(type, K, &nb, &rb);
-    if (!dot || K % (act_kind(type) ? QK : Q80)) return -1;
-    const size_t qb = qrow_bytes(K), rows = M > 1 ? (sizeof(qrow) + sizeof(float *)) * (size_t)M : 0;
+    if (!dot || K % act_block(type)) return -1;
+    const size_t qb = qrow_bytes(type, K), rows = M > 1 ? (sizeof(qrow) + sizeof(float *)) * (size_t)M : 0;
     uint8_t *buf = scratch_for(qb * (size_t)M + rows);
     if (!buf) return -2;
     const dot4_fn dot4 = dot4_for(type);
@@ -1178,7 +1210,7 @@ static int moe_ffn_tiled(const float *x, int M, int C, int F, int E,
     const dot4_fn d4g = dot4_for(tg), d4u = dot4_for(tu), d4d = dot4_for(td);
     const dot2_fn d2g = dot2_for(tg), d2u = dot2_for(tu), d2d = dot2_for(td);
     const int P = first[E], nth0 = team_size();
-    const size_t qc = qrow_bytes(C), qf = qrow_bytes(F);
+    const size_t qc = qrow_bytes(act_float(tg) ? tg : tu, C), qf = qrow_bytes(td, F);
     const int two = act_kind(tg) != act_kind(tu);
     const size_t per_thread = (sizeof(qrow) + sizeof(float *)) * PC + sizeof(float) * PC * RB;
     const size_t need = qc * M * (1 + two) + sizeof(float) * (size_t)P * F + qf * (size_t)P + per_thread * nth0;
@@ -1238,14 +1270,13 @@ int moe_ffn(const float *x, int M, int C, int F, int E,
             int tg, int tu, int td, const int *first, const int *tok, const float *wt, float *out) {
     int nbg, nbu, nbd; long rbg, rbu, rbd;
     dot_fn dg = dot_for(tg, C, &nbg, &rbg), du = dot_for(tu, C, &nbu, &rbu), dd = dot_for(td, F, &nbd, &rbd);
-    if (!dg || !du || !dd || C % (act_kind(tg) ? QK : Q80) || C % (act_kind(tu) ? QK : Q80)
-        || F % (act_kind(td) ? QK : Q80)) return -1;
+    if (!dg || !du || !dd || C % act_block(tg) || C % act_block(tu) || F % act_block(td)) return -1;
     if (M > 1) return moe_ffn_tiled(x, M, C, F, E, gate, up, down, tg, tu, td, first, tok, wt, out);
     const int P = first[E];
     const dot4_fn d4g = dot4_for(tg), d4u = dot4_for(tu), d4d = dot4_for(td);
     const dot2_fn d2gu = tg == tu && rbg * (long)F <= g_pair_max ? dot2_for(tg) : 0,
                   d2d = rbd * (long)C <= g_pair_max ? dot2_for(td) : 0;
-    const size_t qc = qrow_bytes(C), qf = qrow_bytes(F);
+    const size_t qc = qrow_bytes(act_float(tg) ? tg : tu, C), qf = qrow_bytes(td, F);
     const int two = act_kind(tg) != act_kind(tu);           /* gate and up want different activation types */
     const size_t need = qc * M * (1 + two) + sizeof(float) * (size_t)P * F + qf * (size_t)P;
     uint8_t *buf = scratch_for(need);
@@ -1327,7 +1358,7 @@ int moe_ffn(const float *x, int M, int C, int F, int E,
 
 /* the activation quantizer alone: q [K] int8, d [K/256 or K/32], bs [K/16] (q8_K only) */
 int quantize_acts(int type, const float *x, int K, int8_t *q, float *d, int16_t *bs) {
-    if (!is_supported(type) || K % (act_kind(type) ? QK : Q80)) return -1;
+    if (!is_supported(type) || K % act_block(type)) return -1;
     qrow r = {q, d, bs};
     quant_row(type, x, K, r);
     return 0;
