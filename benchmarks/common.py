@@ -151,6 +151,58 @@ def llama_repack_off() -> None:
     llama_cpp.llama_cpp.llama_model_default_params = params
 
 
+def quiet(window_s: float = 1.0) -> dict:
+    """The machine's quiet check: load averages and every other process that used more than 5% of
+    a core over window_s (name, pid, share), read from /proc."""
+    def cpu_times() -> dict[int, tuple[str, int]]:
+        out = {}
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit() and int(d.name) != os.getpid():
+                try:
+                    raw = (d / "stat").read_text()
+                    name, rest = raw[raw.index("(") + 1:raw.rindex(")")], raw[raw.rindex(")") + 2:].split()
+                    out[int(d.name)] = (name, int(rest[11]) + int(rest[12]))
+                except (OSError, ValueError, IndexError):
+                    continue
+        return out
+    a = cpu_times()
+    time.sleep(window_s)
+    b = cpu_times()
+    tick = os.sysconf("SC_CLK_TCK")
+    busy = [{"pid": pid, "name": name, "cpu_share": round((t - a[pid][1]) / tick / window_s, 3)}
+            for pid, (name, t) in b.items() if pid in a and (t - a[pid][1]) / tick / window_s > 0.05]
+    return {"loadavg": os.getloadavg(), "busy": busy}
+
+
+def cpu_model() -> str:
+    return next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+
+
+def cpu_kind() -> str:
+    """family/model of this CPU in words (the VMs name every EPYC "AMD EPYC")"""
+    info = {}
+    for line in open("/proc/cpuinfo"):
+        if ":" in line:
+            k, v = (x.strip() for x in line.split(":", 1))
+            info.setdefault(k, v)
+        if not line.strip():
+            break
+    fam, mod = int(info.get("cpu family", 0)), int(info.get("model", 0))
+    if info.get("vendor_id") == "AuthenticAMD":
+        zen = {23: "Zen 1/2", 25: "Zen 3/4", 26: "Zen 5"}.get(fam, f"family {fam}")
+        if fam == 25:
+            zen = "Zen 4" if mod >= 0x10 else "Zen 3"
+        return f"AMD EPYC {zen} (family {fam} model {mod})"
+    return f"{cpu_model()} (family {fam} model {mod})"
+
+
+def commit() -> str:
+    r = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return r.stdout.strip() + ("+dirty" if dirty else "")
+
+
 def median(xs) -> float:
     return statistics.median(xs) if xs else float("nan")
 

@@ -33,7 +33,7 @@ def work_llama(a) -> dict:
     if a.no_repack:
         llama_repack_off()
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(a.model, n_ctx=512, n_batch=512, n_threads=THREADS, n_threads_batch=THREADS,
+    llm = llama_cpp.Llama(a.model, n_ctx=a.context, n_batch=512, n_threads=THREADS, n_threads_batch=THREADS,
                           verbose=False, use_mmap=not a.no_mmap)
     load = time.perf_counter() - t0
     prompt, dec = tokens(a.prompt_tokens, 1), tokens(a.decode_tokens, 2)
@@ -58,8 +58,8 @@ def work_maw(a) -> dict:
     torch.set_num_threads(THREADS)
     t0 = time.perf_counter()
     budget = None if a.budget_gib is None else Budget.from_gib(a.budget_gib, "--budget-gib")
-    rt = Runtime(a.pack, RuntimeOptions(context=512, expert_cache_percent=a.cache_percent,
-                                        budget=budget, prefill_chunk=64, threads=THREADS,
+    rt = Runtime(a.pack, RuntimeOptions(context=a.context, expert_cache_percent=a.cache_percent,
+                                        budget=budget, prefill_chunk=a.prefill_chunk, threads=THREADS,
                                         check_digests=False, stream_embeddings=a.stream_embeddings,
                                         thread_governor=not a.no_thread_governor))
     if a.preload:
@@ -168,6 +168,8 @@ def main() -> int:
         ap.add_argument("--stream-embeddings", action="store_true")
         ap.add_argument("--no-mmap", action="store_true")
         ap.add_argument("--no-thread-governor", action="store_true", help="MawForge: keep every step at THREADS")
+        ap.add_argument("--context", type=int, default=512)
+        ap.add_argument("--prefill-chunk", type=int, default=64, help="MawForge's prefill chunk")
         a = ap.parse_args()
         print(json.dumps({"llama": work_llama, "maw": work_maw, "pread": work_pread}[a.engine](a)))
         return 0

@@ -28,9 +28,19 @@ import numpy as np  # noqa: E402
 from mawforge.fixtures.ggml_ref import ggml_matmul  # noqa: E402
 from mawforge.codecs import quants  # noqa: E402
 from mawforge.kernels import cpu  # noqa: E402
-from test_quants import pack, source_bytes  # noqa: E402
+from test_native_types import random_rows  # noqa: E402
+from test_quants import QUANTIZABLE, RANDOM_BLOCKS, pack, source_bytes  # noqa: E402
 
-TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4",
+         "Q2_K", "Q3_K", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M"]
+
+
+def weight_bytes(t: T, shape) -> np.ndarray:
+    """test_quants' sources where it has them (quantized or random blocks), else test_native_types'
+    random blocks with sane scales (the IQ types)"""
+    if t in (T.F32, T.F16, T.BF16, *QUANTIZABLE, *RANDOM_BLOCKS):
+        return source_bytes(t, shape)
+    return random_rows(t, *shape, seed=0).numpy().reshape(-1)
 
 
 def timed(fn, min_s: float = 0.2) -> float:
@@ -68,7 +78,7 @@ def main() -> int:
         t = T[name]
         for shape in [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]:
             codec = quants.choose_codec(t, args.layout, shape)
-            w = pack(codec, source_bytes(t, shape), t, shape)
+            w = pack(codec, weight_bytes(t, shape), t, shape)
             dense = torch.randn(shape, dtype=torch.bfloat16)
             for m in (int(v) for v in args.tokens.split(",")):
                 x = torch.randn(m, shape[1])
@@ -76,8 +86,8 @@ def main() -> int:
                 ms = timed(lambda: cpu.linear(x, w))
                 peer = timed(lambda: torch.nn.functional.linear(xb, dense))
                 gg = None
-                if name not in ("F32", "F16", "BF16"):
-                    raw = source_bytes(t, shape)
+                if name != "F32":
+                    raw = weight_bytes(t, shape)
                     _, gg = ggml_matmul(np.asarray(raw, np.uint8).reshape(shape[0], -1), int(t), shape[0],
                                         shape[1], x.numpy(), threads=args.threads, repeat=200)
                 row = dict(type=name, codec=codec.name, n=shape[0], k=shape[1], m=m, ms=ms, bf16_ms=peer,

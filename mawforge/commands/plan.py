@@ -72,6 +72,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(a: argparse.Namespace) -> int:
+    from mawforge.pack.inspect import describe, fallback_line
     plan = pair_plan_from_args(a) if a.draft_pack else plan_from_args(a)
-    print(json.dumps(plan.to_dict(), indent=1) if a.json else plan.table())
+    fallback = describe(a.pack)["fallback_tensors"]
+    if a.json:
+        print(json.dumps({**plan.to_dict(), "fallback_tensors": fallback}, indent=1))
+    else:
+        print(plan.table() + f"\nkernels  {fallback_line(fallback)}")
     return 0 if plan.feasible else BudgetRejected.exit_code

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+from mawforge.codecs.native_types import fallback_tensors, source_codec
 from mawforge.formats.source import open_source
 from mawforge.pack.manifest import MANIFEST, read_index, read_manifest
 
@@ -30,12 +31,16 @@ def _describe_pack(p: Path) -> dict:
             qtypes[f"{t.qtype}->{t.codec}"] += len(lb.offsets)
     for t in man.common:
         qtypes[f"{t.qtype}->{t.codec}"] += 1
+    entries = [(t.name, t.qtype, t.codec, len(t.shape)) for t in man.common]
+    entries += [(f"blk.{lb.layer}.{t.name} (experts)", t.qtype, t.codec, len(t.shape))
+                for lb in index.layers for t in lb.tensors]
     return {"kind": "pack", "path": str(p), **_config_fields(man.config),
             "pack_digest": man.pack_digest, "source": man.source, "layout": man.layout,
             "alignment": man.alignment, "bytes": man.byte_totals,
             "common_bytes": man.byte_totals["common"], "expert_bytes": man.byte_totals["experts"],
             "block_bytes_by_layer": index.block_bytes(), "quant_types": dict(qtypes),
-            "transforms": list(man.transforms), "tokenizer": man.tokenizer}
+            "transforms": list(man.transforms), "tokenizer": man.tokenizer,
+            "fallback_tensors": fallback_tensors(entries)}
 
 
 def _describe_source(p: Path) -> dict:
@@ -49,9 +54,13 @@ def _describe_source(p: Path) -> dict:
                  for l in range(src.config.n_layers)]
     expert_bytes = sum(b * src.config.n_experts for b in per_layer)
     common = sum(t.nbytes for t in src.common.values())
+    entries = [(t.name, t.qtype.name, source_codec(t.qtype.name), len(t.shape)) for t in src.common.values()]
+    entries += [(f"blk.{t.layer}.{t.kind} (experts)", t.qtype.name, source_codec(t.qtype.name), 2)
+                for t in src.experts.values()]
     return {"kind": src.kind, "path": str(p), **_config_fields(src.config),
             "source": src.identity(), "common_bytes": common, "expert_bytes": expert_bytes,
-            "block_bytes_by_layer": per_layer, "quant_types": dict(qtypes)}
+            "block_bytes_by_layer": per_layer, "quant_types": dict(qtypes),
+            "fallback_tensors": fallback_tensors(entries)}
 
 
 def gib(n: int) -> str:
@@ -72,5 +81,14 @@ def table(d: dict) -> str:
     rows.append(("block bytes by layer",
                  ", ".join(f"{b:,} x{n}" for b, n in sorted(sizes.items()))))
     rows += [(f"  {q}", n) for q, n in sorted(d["quant_types"].items())]
+    rows.append(("dequantizing fallback", fallback_line(d["fallback_tensors"])))
     w = max(len(str(k)) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+def fallback_line(names: list[str]) -> str:
+    """one line naming the matrices no native kernel computes (each use dequantizes them to float)"""
+    if not names:
+        return "none (every matrix runs on the native kernels where they build)"
+    shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+    return f"{len(names)} matrices have no native kernel and are dequantized to float at each use: {shown}"

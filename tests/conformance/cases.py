@@ -78,10 +78,22 @@ class ArchCase:
 _BASE_LLAMA = (Llama("F32"), Llama("F16"), Llama("Q8_0", 0.95, self_check=True),
                Llama("Q4_K_M", 0.95, ("exact", "int4pack"), self_check=True))
 
+# Every other quant type llama.cpp's quantizer writes into MoE models (mawforge/fixtures/requant.py:
+# its ftype mix, or for IQ2 / IQ1 the experts by ggml_quantize_chunk over its Q4_K_M mix), on the
+# native kernels of each (kernels/native/quant_types.h). Self-checked as Q4_K_M: within 0.03 of
+# llama.cpp's own batched-vs-one-token agreement and >= 0.99 where its top-2 margin is >= 0.1.
+# Measured top-1 on LONG_TOKENS (AMD EPYC Zen 4): 0.96 (IQ2_XS) to 0.997 (MXFP4_MOE, BF16), every
+# type within 0.015 of llama.cpp's self-agreement and 1.0 on the clear positions; bound 0.9.
+QUANT_TYPES = ("Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_M", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S", "IQ2_XXS",
+               "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "MXFP4_MOE", "BF16")
+_QUANT_LLAMA = tuple(Llama(f, 0.9, self_check=True) for f in QUANT_TYPES)
+
 CASES: tuple[ArchCase, ...] = (
-    # the four original archs (their fixture modules build on mawforge/fixtures/tiny.py)
+    # the four original archs (their fixture modules build on mawforge/fixtures/tiny.py); qwen3_moe
+    # also carries every quant type's row
     *(ArchCase(a, hf=("hf", "hf_fused"), ggufs=("F32", "F16", "Q8_0", "Q4_K_M"),
-               logits=("hf", "hf_fused", "F32"), llama=_BASE_LLAMA, llama_tokens=LONG_TOKENS,
+               logits=("hf", "hf_fused", "F32"),
+               llama=_BASE_LLAMA + (_QUANT_LLAMA if a == "qwen3_moe" else ()), llama_tokens=LONG_TOKENS,
                transparent=("Q4_K_M",)) for a in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")),
     # DeepSeek V2/V3 (MLA, grouped routing, dense first layer) and GPT-OSS (sinks, sliding window,
     # MXFP4). Measured top-1 vs llama.cpp on DS_OSS_TOKENS: F32 1.00; Q8_0 and MXFP4 0.95 (llama.cpp

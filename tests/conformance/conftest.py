@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mawforge.fixtures import requant
+
 from . import api
 from .cases import BY_ARCH, TOKENS, ArchCase
 
@@ -40,8 +42,12 @@ class Sources:
             kw = {source[3:]: True} if source != "hf" else {}      # hf_yarn: build_hf(..., yarn=True)
             out = self.root / f"{case.arch}-{source}"
             return self._once((case.arch, source), lambda: b.build_hf(case.arch, out, **kw))
-        hf = self.path(case, "hf")
         out = self.root / f"{case.arch}-{source}.gguf"
+        if source in requant.names() and source not in ("F32", "F16", "Q8_0", "Q4_K_M"):
+            # the quant types the fixture writer does not write: llama.cpp's own quantizer on its F32 file
+            f32 = self.path(case, "F32")
+            return self._once((case.arch, source), lambda: requant.quantize_gguf(f32, out, source, threads=1))
+        hf = self.path(case, "hf")
         return self._once((case.arch, source), lambda: b.write_gguf(hf, out, source))
 
     def pack(self, case: ArchCase, source: str, layout: str = "exact") -> Path:

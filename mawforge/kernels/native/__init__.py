@@ -50,6 +50,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
+from mawforge.codecs.native_types import NATIVE_TYPE_NAMES
+
 # every source compiled into the one library (the cache key covers all of them)
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("kquant_gemm.c", "decode_step.c", "reader.c"))
 # headers they include (in the cache key too)
@@ -64,6 +66,7 @@ Q8_0_TYPES = (T.Q4_0, T.Q8_0, T.Q5_0, T.IQ4_NL, T.MXFP4)
 Q8_1_TYPES = (T.Q4_1, T.Q5_1)
 FLOAT_TYPES = (T.F16, T.BF16)
 TYPES = (*Q8_0_TYPES, *Q8_1_TYPES, *Q8_K_TYPES, *FLOAT_TYPES)
+assert {t.name for t in TYPES} == set(NATIVE_TYPE_NAMES), "codecs/native_types.py lists the kernels' types"
 # elements one activation scale covers for each weight type: llama.cpp's "vec_dot_type" of it
 # (q8_K 256, q8_0 / q8_1 32; F16 and BF16 round x to their own type, no scale: 32 is the step)
 ACT_BLOCK = {**{t: 256 for t in Q8_K_TYPES}, **{t: 32 for t in (*Q8_0_TYPES, *Q8_1_TYPES, *FLOAT_TYPES)}}

@@ -1127,7 +1127,8 @@ static void gemm_rows(int type, dot_fn dot, dot4_fn dot4, dot2_fn dot2, const ui
         return;
     }
 #endif
-    (void)type;
+    const dec_fn dec = M >= DBLK_MIN_TOKENS ? dec_for(type) : 0;
+    if (dec && gemm_rows_dblk(dec, type == T_Q2_K, w, rb, nb, n0, n1, xr, M, yr, y0, scale) == 0) return;
     int pr = (int)(PANEL_BYTES / rb);
     pr = pr < 4 ? 4 : pr & ~1;
     const int m4 = dot4 ? M - M % 4 : 0;

@@ -19,6 +19,10 @@
  * in iq_tables.h come from the gguf package's reference dequantizers. */
 #include "iq_tables.h"
 
+#ifndef FORCE_INLINE
+#define FORCE_INLINE static inline __attribute__((always_inline))
+#endif
+
 /* q8_1 as llama.cpp's x86 quantize_row_q8_1: q8_0's values, d as f16, and s = f16(d * sum q) with
    d the unrounded max / 127. The s of each block goes where q8_K keeps its sums (the same bytes). */
 static void quant_q81(const float *x, int K, qrow r) {
@@ -73,7 +77,7 @@ static inline void signed4x2(int8_t *dst, uint32_t g1, uint32_t g2, uint64_t sig
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 
-static void dec_q2k(const uint8_t *w, dblk *o) {
+static void dec_q2k_c(const uint8_t *w, dblk *o) {
     for (int i = 0; i < 16; i++) { o->sc[i] = w[i] & 0xF; o->mn[i] = w[i] >> 4; }
     const uint8_t *qs = w + 16;
     for (int k = 0; k < 2; k++)
@@ -82,7 +86,7 @@ static void dec_q2k(const uint8_t *w, dblk *o) {
     o->d = f16(w + 80); o->dmin = f16(w + 82);
 }
 
-static void dec_q3k(const uint8_t *w, dblk *o) {
+static void dec_q3k_c(const uint8_t *w, dblk *o) {
     const uint8_t *hm = w, *qs = w + 32;
     uint32_t a[4];
     memcpy(a, w + 96, 12);
@@ -102,7 +106,7 @@ static void dec_q3k(const uint8_t *w, dblk *o) {
     o->d = f16(w + 108);
 }
 
-static void dec_iq4xs(const uint8_t *w, dblk *o) {
+static void dec_iq4xs_c(const uint8_t *w, dblk *o) {
     const uint16_t sh = rd16(w + 2);
     const uint8_t *qs = w + 8;
     for (int ib = 0; ib < 8; ib++) {
@@ -116,7 +120,7 @@ static void dec_iq4xs(const uint8_t *w, dblk *o) {
     o->d = f16(w);
 }
 
-static void dec_iq2xxs(const uint8_t *w, dblk *o) {
+static void dec_iq2xxs_c(const uint8_t *w, dblk *o) {
     for (int ib = 0; ib < 8; ib++) {
         const uint8_t *q = w + 2 + 8 * ib;
         const uint32_t a1 = rd32(q + 4);
@@ -126,7 +130,7 @@ static void dec_iq2xxs(const uint8_t *w, dblk *o) {
     o->d = 0.125f * f16(w);
 }
 
-static void dec_iq2xs(const uint8_t *w, dblk *o) {
+static void dec_iq2xs_c(const uint8_t *w, dblk *o) {
     for (int ib = 0; ib < 8; ib++) {
         const uint8_t s = w[66 + ib];
         o->sc[2 * ib] = (int16_t)(2 * (s & 0xF) + 1);
@@ -139,7 +143,7 @@ static void dec_iq2xs(const uint8_t *w, dblk *o) {
     o->d = 0.125f * f16(w);
 }
 
-static void dec_iq2s(const uint8_t *w, dblk *o) {
+static void dec_iq2s_c(const uint8_t *w, dblk *o) {
     const uint8_t *qs = w + 2, *signs = w + 34, *qh = w + 66, *sc = w + 74;
     for (int ib = 0; ib < 8; ib++) {
         o->sc[2 * ib] = (int16_t)(2 * (sc[ib] & 0xF) + 1);
@@ -151,7 +155,7 @@ static void dec_iq2s(const uint8_t *w, dblk *o) {
     o->d = 0.125f * f16(w);
 }
 
-static void dec_iq3xxs(const uint8_t *w, dblk *o) {
+static void dec_iq3xxs_c(const uint8_t *w, dblk *o) {
     const uint8_t *q3 = w + 2;
     for (int ib = 0; ib < 8; ib++) {
         const uint32_t a = rd32(w + 2 + 64 + 4 * ib);
@@ -163,7 +167,7 @@ static void dec_iq3xxs(const uint8_t *w, dblk *o) {
     o->d = 0.25f * f16(w);
 }
 
-static void dec_iq3s(const uint8_t *w, dblk *o) {
+static void dec_iq3s_c(const uint8_t *w, dblk *o) {
     const uint8_t *qs = w + 2, *qh = w + 66, *signs = w + 74, *sc = w + 106;
     for (int ib = 0; ib < 8; ib++) {
         o->sc[2 * ib] = o->sc[2 * ib + 1] = (int16_t)(2 * ((sc[ib / 2] >> (4 * (ib % 2))) & 0xF) + 1);
@@ -181,7 +185,7 @@ static inline void iq1_vals(int8_t *dst, uint64_t grid, int delta) {
     for (int j = 0; j < 8; j++) dst[j] = (int8_t)(8 * g[j] + delta);
 }
 
-static void dec_iq1s(const uint8_t *w, dblk *o) {
+static void dec_iq1s_c(const uint8_t *w, dblk *o) {
     const uint8_t *qs = w + 2;
     for (int ib = 0; ib < 8; ib++) {
         const uint16_t qh = rd16(w + 34 + 2 * ib);
@@ -192,7 +196,7 @@ static void dec_iq1s(const uint8_t *w, dblk *o) {
     o->d = f16(w) * 0.125f;
 }
 
-static void dec_iq1m(const uint8_t *w, dblk *o) {
+static void dec_iq1m_c(const uint8_t *w, dblk *o) {
     const uint8_t *qs = w, *qh = w + 32;
     uint16_t sc[4];
     memcpy(sc, w + 48, 8);
@@ -210,8 +214,218 @@ static void dec_iq1m(const uint8_t *w, dblk *o) {
     o->d = f16(db) * 0.125f;
 }
 
+
 #ifdef __AVX2__
-/* sum over the block of sc[i / 16] * v[i] * x[i], as eight int32 lanes */
+/* The AVX2 decoders: the portable ones' values, a register of 32 at a time (tests compare the builds) */
+static inline __m256i nibbles32(const uint8_t *qs) {   /* bytes 0-15 the low nibbles, 16-31 the high */
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0xF));
+}
+static inline void put16(int16_t *dst, __m128i bytes) { _mm256_store_si256((__m256i *)dst, _mm256_cvtepi8_epi16(bytes)); }
+#define G4(t, a, b, c, d) _mm256_set_epi64x((long long)(t)[d], (long long)(t)[c], (long long)(t)[b], (long long)(t)[a])
+
+static void dec_q2k(const uint8_t *w, dblk *o) {
+    const __m128i s = _mm_loadu_si128((const __m128i *)w), m4 = _mm_set1_epi8(0xF);
+    put16(o->sc, _mm_and_si128(s, m4));
+    put16(o->mn, _mm_and_si128(_mm_srli_epi16(s, 4), m4));
+    const __m256i m3 = _mm256_set1_epi8(3);
+    for (int k = 0; k < 2; k++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * k));
+        for (int j = 0; j < 4; j++)
+            _mm256_store_si256((__m256i *)(o->v + 128 * k + 32 * j), _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3));
+    }
+    o->d = f16(w + 80); o->dmin = f16(w + 82);
+}
+
+static void dec_q3k(const uint8_t *w, dblk *o) {
+    uint32_t a[4];
+    memcpy(a, w + 96, 12);
+    const uint32_t tmp = a[2], m2 = 0x0f0f0f0f, m1 = 0x03030303;
+    a[2] = ((a[0] >> 4) & m2) | (((tmp >> 4) & m1) << 4);
+    a[3] = ((a[1] >> 4) & m2) | (((tmp >> 6) & m1) << 4);
+    a[0] = (a[0] & m2) | (((tmp >> 0) & m1) << 4);
+    a[1] = (a[1] & m2) | (((tmp >> 2) & m1) << 4);
+    put16(o->sc, _mm_sub_epi8(_mm_loadu_si128((const __m128i *)a), _mm_set1_epi8(32)));
+    const __m256i hm = _mm256_loadu_si256((const __m256i *)w), m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+    for (int k = 0; k < 2; k++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 32 + 32 * k));
+        for (int j = 0; j < 4; j++) {
+            const __m256i clear = _mm256_cmpeq_epi8(_mm256_and_si256(hm, _mm256_set1_epi8((char)(1 << (4 * k + j)))),
+                                                    _mm256_setzero_si256());
+            const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3);
+            _mm256_store_si256((__m256i *)(o->v + 128 * k + 32 * j), _mm256_sub_epi8(lo, _mm256_and_si256(clear, four)));
+        }
+    }
+    o->d = f16(w + 108);
+}
+
+static void dec_iq4xs(const uint8_t *w, dblk *o) {
+    const __m256i tab = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)KVALUES_IQ4NL));
+    const uint16_t sh = rd16(w + 2);
+    int8_t ls[16];
+    for (int ib = 0; ib < 8; ib++) {
+        ls[2 * ib] = ls[2 * ib + 1] = (int8_t)((((w[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4)) - 32);
+        _mm256_store_si256((__m256i *)(o->v + 32 * ib), _mm256_shuffle_epi8(tab, nibbles32(w + 8 + 16 * ib)));
+    }
+    put16(o->sc, _mm_loadu_si128((const __m128i *)ls));
+    o->d = f16(w);
+}
+
+static void dec_iq2xxs(const uint8_t *w, dblk *o) {
+    int8_t ls[16];
+    for (int ib = 0; ib < 8; ib++) {
+        const uint8_t *q = w + 2 + 8 * ib;
+        const uint32_t a1 = rd32(q + 4);
+        ls[2 * ib] = ls[2 * ib + 1] = (int8_t)(2 * (a1 >> 28) + 1);
+        const __m256i g = G4(IQ2XXS_GRID, q[0], q[1], q[2], q[3]);
+        const __m256i s = G4(KSIGNS8, a1 & 127, (a1 >> 7) & 127, (a1 >> 14) & 127, (a1 >> 21) & 127);
+        _mm256_store_si256((__m256i *)(o->v + 32 * ib), _mm256_sign_epi8(g, s));
+    }
+    put16(o->sc, _mm_loadu_si128((const __m128i *)ls));
+    o->d = 0.125f * f16(w);
+}
+
+static void dec_iq2xs(const uint8_t *w, dblk *o) {
+    const __m128i sc = _mm_loadl_epi64((const __m128i *)(w + 66)), m4 = _mm_set1_epi8(0xF);
+    /* bytes lo0 hi0 lo1 hi1 ...: 2 * nibble + 1 */
+    const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(sc, m4), _mm_and_si128(_mm_srli_epi16(sc, 4), m4));
+    put16(o->sc, _mm_add_epi8(_mm_add_epi8(nib, nib), _mm_set1_epi8(1)));
+    for (int ib = 0; ib < 8; ib++) {
+        uint16_t q[4];
+        memcpy(q, w + 2 + 8 * ib, 8);
+        const __m256i g = G4(IQ2XS_GRID, q[0] & 511, q[1] & 511, q[2] & 511, q[3] & 511);
+        const __m256i s = G4(KSIGNS8, q[0] >> 9, q[1] >> 9, q[2] >> 9, q[3] >> 9);
+        _mm256_store_si256((__m256i *)(o->v + 32 * ib), _mm256_sign_epi8(g, s));
+    }
+    o->d = 0.125f * f16(w);
+}
+
+static void dec_iq2s(const uint8_t *w, dblk *o) {
+    const uint8_t *qs = w + 2, *signs = w + 34, *qh = w + 66;
+    const __m128i sc = _mm_loadl_epi64((const __m128i *)(w + 74)), m4 = _mm_set1_epi8(0xF);
+    const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(sc, m4), _mm_and_si128(_mm_srli_epi16(sc, 4), m4));
+    put16(o->sc, _mm_add_epi8(_mm_add_epi8(nib, nib), _mm_set1_epi8(1)));
+    for (int ib = 0; ib < 8; ib++) {
+        const uint8_t *q = qs + 4 * ib, h = qh[ib];
+        const __m256i g = G4(IQ2S_GRID, q[0] | ((h << 8) & 0x300), q[1] | ((h << 6) & 0x300), q[2] | ((h << 4) & 0x300),
+                             q[3] | ((h << 2) & 0x300));
+        const uint8_t *sg = signs + 4 * ib;
+        const __m256i s = G4(SIGN8, sg[0], sg[1], sg[2], sg[3]);
+        _mm256_store_si256((__m256i *)(o->v + 32 * ib), _mm256_sign_epi8(g, s));
+    }
+    o->d = 0.125f * f16(w);
+}
+
+static void dec_iq3xxs(const uint8_t *w, dblk *o) {
+    const uint8_t *q3 = w + 2;
+    int8_t ls[16];
+    for (int ib = 0; ib < 8; ib++) {
+        const uint32_t a = rd32(w + 66 + 4 * ib);
+        const uint8_t *q = q3 + 8 * ib;
+        ls[2 * ib] = ls[2 * ib + 1] = (int8_t)(2 * (a >> 28) + 1);
+        const __m256i g = _mm256_set_epi32((int)IQ3XXS_GRID[q[7]], (int)IQ3XXS_GRID[q[6]], (int)IQ3XXS_GRID[q[5]],
+                                           (int)IQ3XXS_GRID[q[4]], (int)IQ3XXS_GRID[q[3]], (int)IQ3XXS_GRID[q[2]],
+                                           (int)IQ3XXS_GRID[q[1]], (int)IQ3XXS_GRID[q[0]]);
+        const __m256i s = G4(KSIGNS8, a & 127, (a >> 7) & 127, (a >> 14) & 127, (a >> 21) & 127);
+        _mm256_store_si256((__m256i *)(o->v + 32 * ib), _mm256_sign_epi8(g, s));
+    }
+    put16(o->sc, _mm_loadu_si128((const __m128i *)ls));
+    o->d = 0.25f * f16(w);
+}
+
+static void dec_iq3s(const uint8_t *w, dblk *o) {
+    const uint8_t *qs = w + 2, *qh = w + 66, *signs = w + 74, *sc = w + 106;
+    int8_t ls[16];
+    for (int ib = 0; ib < 8; ib++) {
+        ls[2 * ib] = ls[2 * ib + 1] = (int8_t)(2 * ((sc[ib / 2] >> (4 * (ib % 2))) & 0xF) + 1);
+        const uint8_t *q = qs + 8 * ib;
+        const int h = qh[ib];
+        #define I3(l) (int)IQ3S_GRID[q[2 * (l)] | ((h << (8 - 2 * (l))) & 256)], \
+                      (int)IQ3S_GRID[q[2 * (l) + 1] | ((h << (7 - 2 * (l))) & 256)]
+        const __m256i g = _mm256_setr_epi32(I3(0), I3(1), I3(2), I3(3));
+        #undef I3
+        const uint8_t *sg = signs + 4 * ib;
+        _mm256_store_si256((__m256i *)(o->v + 32 * ib), _mm256_sign_epi8(g, G4(SIGN8, sg[0], sg[1], sg[2], sg[3])));
+    }
+    put16(o->sc, _mm_loadu_si128((const __m128i *)ls));
+    o->d = f16(w);
+}
+
+/* IQ1 values 8 * g + delta, g in {-1, 0, 1}: sign(8, g) + delta */
+static inline __m256i iq1_v(__m256i g, __m256i delta) { return _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), g), delta); }
+
+static void dec_iq1s(const uint8_t *w, dblk *o) {
+    const uint8_t *qs = w + 2;
+    int8_t ls[16];
+    for (int ib = 0; ib < 8; ib++) {
+        const uint16_t qh = rd16(w + 34 + 2 * ib);
+        ls[2 * ib] = ls[2 * ib + 1] = (int8_t)(2 * ((qh >> 12) & 7) + 1);
+        const uint8_t *q = qs + 4 * ib;
+        const __m256i g = G4(IQ1S_GRID, q[0] | ((qh << 8) & 0x700), q[1] | ((qh << 5) & 0x700), q[2] | ((qh << 2) & 0x700),
+                             q[3] | ((qh >> 1) & 0x700));
+        _mm256_store_si256((__m256i *)(o->v + 32 * ib), iq1_v(g, _mm256_set1_epi8(qh & 0x8000 ? -1 : 1)));
+    }
+    put16(o->sc, _mm_loadu_si128((const __m128i *)ls));
+    o->d = f16(w) * 0.125f;
+}
+
+static void dec_iq1m(const uint8_t *w, dblk *o) {
+    const uint8_t *qs = w, *qh = w + 32;
+    uint16_t sc[4];
+    memcpy(sc, w + 48, 8);
+    const uint16_t d16 = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000));
+    uint8_t db[2]; memcpy(db, &d16, 2);
+    int8_t ls[16];
+    for (int ib = 0; ib < 8; ib++) {
+        ls[2 * ib] = (int8_t)(2 * ((sc[ib / 2] >> (6 * (ib % 2))) & 7) + 1);
+        ls[2 * ib + 1] = (int8_t)(2 * ((sc[ib / 2] >> (6 * (ib % 2) + 3)) & 7) + 1);
+        const uint8_t *q = qs + 4 * ib, h0 = qh[2 * ib], h1 = qh[2 * ib + 1];
+        const __m256i g = G4(IQ1S_GRID, q[0] | ((h0 << 8) & 0x700), q[1] | ((h0 << 4) & 0x700), q[2] | ((h1 << 8) & 0x700),
+                             q[3] | ((h1 << 4) & 0x700));
+        const __m256i delta = _mm256_set_epi64x(h1 & 0x80 ? -1LL : 0x0101010101010101LL,
+                                                h1 & 0x08 ? -1LL : 0x0101010101010101LL,
+                                                h0 & 0x80 ? -1LL : 0x0101010101010101LL,
+                                                h0 & 0x08 ? -1LL : 0x0101010101010101LL);
+        _mm256_store_si256((__m256i *)(o->v + 32 * ib), iq1_v(g, delta));
+    }
+    put16(o->sc, _mm_loadu_si128((const __m128i *)ls));
+    o->d = f16(db) * 0.125f;
+}
+#undef G4
+#else
+#define dec_q2k dec_q2k_c
+#define dec_q3k dec_q3k_c
+#define dec_iq4xs dec_iq4xs_c
+#define dec_iq2xxs dec_iq2xxs_c
+#define dec_iq2xs dec_iq2xs_c
+#define dec_iq2s dec_iq2s_c
+#define dec_iq3xxs dec_iq3xxs_c
+#define dec_iq3s dec_iq3s_c
+#define dec_iq1s dec_iq1s_c
+#define dec_iq1m dec_iq1m_c
+#endif
+
+#ifdef __AVX2__
+/* sum over the block of sc[i / 16] * v[i] * x[i], as eight int32 lanes (AVX-512 BW + VNNI: two
+   groups of 32 a register, the scale multiply and the add in one vpdpwssd, the halves added) */
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(MAWFORGE_VNNI_EMU)
+static inline __m256i dblk_dot(const dblk *o, const int8_t *q8) {
+    /* int16 lanes: 0-7 scale 4g, 8-15 scale 4g+1, 16-23 4g+2, 24-31 4g+3 for the pair of groups g */
+    const __m512i idx0 = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,
+                                          1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i sc = _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)o->sc));
+    __m512i sumi = _mm512_setzero_si512();
+    for (int g = 0; g < 4; g++) {
+        const __m512i v = _mm512_loadu_si512((const void *)(o->v + 64 * g));
+        const __m512i x = _mm512_loadu_si512((const void *)(q8 + 64 * g));
+        const __m512i p = _mm512_maddubs_epi16(_mm512_abs_epi8(v), _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(v),
+                                                                                        _mm512_setzero_si512(), x));
+        const __m512i s = _mm512_permutexvar_epi16(_mm512_add_epi16(idx0, _mm512_set1_epi16((short)(4 * g))), sc);
+        sumi = _mm512_dpwssd_epi32(sumi, p, s);
+    }
+    return _mm256_add_epi32(_mm512_castsi512_si256(sumi), _mm512_extracti64x4_epi64(sumi, 1));
+}
+#else
 static inline __m256i dblk_dot(const dblk *o, const int8_t *q8) {
     const __m256i s0 = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)o->sc));
     const __m256i s1 = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)(o->sc + 8)));
@@ -224,6 +438,7 @@ static inline __m256i dblk_dot(const dblk *o, const int8_t *q8) {
     }
     return sumi;
 }
+#endif
 typedef __m256 facc;
 #define FACC_ZERO _mm256_setzero_ps()
 static inline facc facc_add(facc a, float s, __m256i i) { return _mm256_fmadd_ps(_mm256_set1_ps(s), _mm256_cvtepi32_ps(i), a); }
@@ -245,9 +460,84 @@ static inline float facc_sum(facc a) { return a; }
 #endif
 
 static inline int dblk_mins(const dblk *o, const int16_t *bs) {
+#ifdef __AVX2__
+    const __m256i p = _mm256_madd_epi16(_mm256_load_si256((const __m256i *)o->mn), _mm256_loadu_si256((const __m256i *)bs));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+#else
     int m = 0;
     for (int j = 0; j < 16; j++) m += o->mn[j] * bs[j];
     return m;
+#endif
+}
+
+/* rows of decoded blocks against tokens: the one-token and four-token kernels' float operations, in
+   their order, so a prefill through a decoded panel gives every element the one-token bits */
+FORCE_INLINE void dblk_rows(const dblk *o, int nb, const qrow *x, float *out, const int R, const int mins) {
+    facc acc[4] = {FACC_ZERO, FACC_ZERO, FACC_ZERO, FACC_ZERO}; float accm[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int b = 0; b < nb; b++)
+        for (int r = 0; r < R; r++) {
+            acc[r] = facc_add(acc[r], o[b].d * x[r].d[b], dblk_dot(o + b, x[r].q + b * QK));
+            if (mins) accm[r] += o[b].dmin * x[r].d[b] * (float)dblk_mins(o + b, x[r].bs + b * 16);
+        }
+    for (int r = 0; r < R; r++) out[r] = facc_sum(acc[r]) - accm[r];
+}
+
+typedef void (*dec_fn)(const uint8_t *, dblk *);
+static dec_fn dec_for(int type) {
+    switch (type) {
+    case T_Q2_K: return dec_q2k;
+    case T_Q3_K: return dec_q3k;
+    case T_IQ4_XS: return dec_iq4xs;
+    case T_IQ2_XXS: return dec_iq2xxs;
+    case T_IQ2_XS: return dec_iq2xs;
+    case T_IQ2_S: return dec_iq2s;
+    case T_IQ3_XXS: return dec_iq3xxs;
+    case T_IQ3_S: return dec_iq3s;
+    case T_IQ1_S: return dec_iq1s;
+    case T_IQ1_M: return dec_iq1m;
+    }
+    return 0;
+}
+
+/* From this many tokens a matrix of a decoded type runs through a decoded panel (each block decoded
+   once for every token instead of once per four) */
+#define DBLK_MIN_TOKENS 8
+#define DBLK_PANEL_BYTES (192 * 1024)
+static _Thread_local uint8_t *d_panel = 0;
+static _Thread_local size_t d_panel_n = 0;
+
+/* weight rows [n0, n1) of a decoded type against the M quantized rows xr (as gemm_rows says): rows in
+   panels decoded once, then every group of four tokens, then the tokens left, meet each row */
+static int gemm_rows_dblk(dec_fn dec, int mins, const uint8_t *w, long rb, int nb, int n0, int n1,
+                          const qrow *xr, int M, float *const *yr, int y0, const float *scale) {
+    int pr = (int)(DBLK_PANEL_BYTES / ((long)nb * (long)sizeof(dblk)));
+    pr = pr < 1 ? 1 : pr;
+    dblk *panel = (dblk *)grow_only(&d_panel, &d_panel_n, (size_t)pr * nb * sizeof(dblk));
+    if (!panel) return -1;
+    const long bytes = rb / nb;
+    for (int p0 = n0; p0 < n1; p0 += pr) {
+        const int p1 = p0 + pr < n1 ? p0 + pr : n1;
+        for (int n = p0; n < p1; n++)
+            for (int b = 0; b < nb; b++) dec(w + rb * n + bytes * b, panel + (long)(n - p0) * nb + b);
+        int m = 0;
+        for (; m + 4 <= M; m += 4)
+            for (int n = p0; n < p1; n++) {
+                float o[4];
+                dblk_rows(panel + (long)(n - p0) * nb, nb, xr + m, o, 4, mins);
+                for (int r = 0; r < 4; r++)
+                    if (scale) yr[m + r][n - y0] += scale[m + r] * o[r]; else yr[m + r][n - y0] = o[r];
+            }
+        for (; m < M; m++)
+            for (int n = p0; n < p1; n++) {
+                float o;
+                dblk_rows(panel + (long)(n - p0) * nb, nb, xr + m, &o, 1, mins);
+                if (scale) yr[m][n - y0] += scale[m] * o; else yr[m][n - y0] = o;
+            }
+    }
+    return 0;
 }
 
 /* one weight row of nb blocks . one q8_K row, and the same against four rows (each row's float
@@ -293,10 +583,6 @@ static inline float e8m0_half(uint8_t e) {   /* 2^(e - 128): ggml's GGML_E8M0_TO
 }
 
 #ifdef __AVX2__
-static inline __m256i nibbles32(const uint8_t *qs) {   /* bytes 0-15 the low nibbles, 16-31 the high */
-    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0xF));
-}
 static inline __m256i bits32(const uint8_t *qh) {       /* byte j: 0x10 where bit j of qh is set */
     const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
     __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32((int)rd32(qh)), shuf);
