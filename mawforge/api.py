@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 from mawforge.engine.options import RuntimeOptions, plan_for_options
 from mawforge.errors import FormatError, MawError, RequestError
+from mawforge.formats.gguf import SHARD_RE, shard_paths
 from mawforge.plan import API_SOURCE, PREFILL_WAVE, Budget, PackFacts, Plan
 from mawforge.telemetry import Telemetry
 
@@ -56,9 +57,19 @@ def _is_pack(p: Path) -> bool:
     return p.is_dir() and (p / "manifest.json").is_file()
 
 
+def _is_gguf_model(p: Path) -> bool:
+    """a GGUF file, or a directory of GGUF shards (no config.json)"""
+    return (p.is_file() and p.suffix == ".gguf") or (
+        p.is_dir() and not (p / "config.json").is_file() and any(p.glob("*.gguf")))
+
+
 def _source_key(src: Path, layout: str) -> str:
     """Which pack a source becomes: its resolved path, every file's size and mtime, the layout."""
-    files = sorted(f for f in src.rglob("*") if f.is_file()) if src.is_dir() else [src]
+    if _is_gguf_model(src):
+        files = shard_paths(src)         # a shard set: every shard's size and mtime
+        src = files[0]
+    else:
+        files = sorted(f for f in src.rglob("*") if f.is_file()) if src.is_dir() else [src]
     h = hashlib.sha256(f"{src.resolve()}\0{layout}".encode())
     for f in files:
         st = f.stat()
@@ -75,10 +86,15 @@ def open_pack(path: str | os.PathLike, cache_dir: str | os.PathLike | None = Non
         return p
     if not p.exists():
         raise FormatError(f"{p}: no such file or directory")
-    if p.is_dir() and not (p / "config.json").is_file():
-        raise FormatError(f"{p}: neither a pack (manifest.json) nor a Hugging Face directory (config.json)")
+    if p.is_dir() and not (p / "config.json").is_file() and not _is_gguf_model(p):
+        raise FormatError(f"{p}: neither a pack (manifest.json), a Hugging Face directory (config.json) nor "
+                          "a directory of GGUF shards")
     out = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    out = out / f"{p.stem if p.is_file() else p.name}-{_source_key(p, layout)}"
+    name = p.stem if p.is_file() else p.name
+    if _is_gguf_model(p):          # a shard set is named by its model, however it was given
+        first = shard_paths(p)[0]
+        name = m["stem"] if (m := SHARD_RE.match(first.name)) else first.stem
+    out = out / f"{name}-{_source_key(p, layout)}"
     if not _is_pack(out):
         from mawforge.pack.packer import pack
         pack(p, out, layout=layout, force=out.exists(), progress=progress)

@@ -92,6 +92,21 @@ def build_parser(only: str | None = None, defaults: dict | None = None) -> argpa
     return ap
 
 
+# commands whose --pack (and --draft-pack) may name a source instead: a GGUF file, any shard of a
+# split GGUF or its directory, or a Hugging Face directory, packed on first use as load() does
+SOURCE_PACK_COMMANDS = ("plan", "run", "serve")
+
+
+def _resolve_packs(args) -> None:
+    if getattr(args, "command", None) not in SOURCE_PACK_COMMANDS:
+        return
+    from mawforge.api import open_pack
+    for attr in ("pack", "draft_pack"):
+        if getattr(args, attr, None):
+            setattr(args, attr, str(open_pack(args.pack if attr == "pack" else args.draft_pack,
+                                              progress=sys.stderr.isatty())))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     first = next((a for a in argv if not a.startswith("-")), None)
@@ -103,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mawforge: error: {e}", file=sys.stderr)
         return e.exit_code
     try:
+        _resolve_packs(args)
         return int(args._main(args) or 0)
     except MawError as e:
         print(f"mawforge {args.command}: error: {e}", file=sys.stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from mawforge.errors import IntegrityError
 
@@ -52,7 +53,7 @@ class Inspect:
 
 
 class Verify:
-    help = "recompute every digest of a pack; names damaged blocks"
+    help = "recompute every digest of a pack; names damaged blocks (a GGUF or its shards: checks every file)"
 
     @staticmethod
     def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,7 +62,17 @@ class Verify:
 
     @staticmethod
     def main(a: argparse.Namespace) -> int:
+        from mawforge.pack.manifest import MANIFEST
         from mawforge.pack.verify import verify
+        if not (Path(a.pack) / MANIFEST).exists():      # a source: its files read and checked whole
+            from mawforge.formats.source import open_source
+            src = open_source(a.pack)
+            n = len(src.common) + sum(len(t.pieces) for t in src.experts.values())
+            line = (f"{src.path}: a {src.kind} source, {len(src.files)} file{'s' if len(src.files) > 1 else ''}, "
+                    f"every tensor within its file ({n} tensors and experts); pack it for digests")
+            print(json.dumps({"ok": True, "source": str(src.path), "files": [str(f) for f in src.files]})
+                  if a.json else line)
+            return 0
         rep = verify(a.pack, progress=sys.stderr.isatty() and not a.json)
         if a.json:
             print(json.dumps({"ok": rep.ok, "blocks_checked": rep.blocks_checked,

@@ -7,6 +7,7 @@ expert is one contiguous byte range.
 from __future__ import annotations
 
 import os
+import re
 import struct
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -145,8 +146,75 @@ def _no_overlap(fname: str, ranges: list[tuple[int, int, str]]) -> None:
         end, last = off + n, name
 
 
+SHARD_RE = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def shard_paths(path: Path) -> list[Path]:
+    """The files of one GGUF model: [path] for a single file; every shard of a split model
+    (`name-00001-of-0000N.gguf`, llama.cpp's gguf-split naming) given any one of them or the
+    directory that holds them. One-line FormatError naming a missing shard or a directory that
+    holds no set, or more than one."""
+    path = Path(path)
+    if path.is_dir():
+        firsts = sorted(f for f in path.iterdir() if (m := SHARD_RE.match(f.name)) and int(m["no"]) == 1)
+        singles = sorted(f for f in path.iterdir() if f.suffix == ".gguf" and not SHARD_RE.match(f.name))
+        if len(firsts) + len(singles) != 1:
+            found = ", ".join(f.name for f in (*firsts, *singles)) or "no .gguf file"
+            raise FormatError(f"{path}: a directory of one GGUF model needs exactly one file or one shard set "
+                              f"(name-00001-of-0000N.gguf); found {found}")
+        path = (firsts or singles)[0]
+    m = SHARD_RE.match(path.name)
+    if m is None:
+        return [path]
+    count = int(m["count"])
+    if not 1 <= int(m["no"]) <= count:
+        raise FormatError(f"{path.name}: shard number {int(m['no'])} is not within 1..{count}")
+    shards = [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    for i, f in enumerate(shards, 1):
+        if not f.is_file():
+            raise FormatError(f"{f.name}: shard {i} of {count} is missing (beside {path.name})")
+    return shards
+
+
+def _read_shards(shards: list[Path]) -> tuple[dict[str, Any], list[TensorInfo]]:
+    """The model's metadata (the first shard's, as llama.cpp reads it) and every shard's tensors;
+    a shard of another split (its split.count, split.no or split.tensors.count disagree, its
+    architecture differs, or it repeats a tensor) is a one-line error naming it."""
+    meta, tensors = {}, []
+    names_seen: dict[str, str] = {}
+    total = None
+    for i, f in enumerate(shards):
+        m, ts, _ = read_header(f)
+        if len(shards) > 1:
+            count, no, n = m.get("split.count"), m.get("split.no"), m.get("split.tensors.count")
+            if count != len(shards) or no != i:
+                raise FormatError(f"{f.name}: not shard {i + 1} of this {len(shards)}-shard model (its split keys say "
+                                  f"shard {no if no is None else no + 1} of {count})")
+            total = n if total is None else total
+            if n != total:
+                raise FormatError(f"{f.name}: belongs to another split model ({n} tensors in all; the first shard "
+                                  f"says {total})")
+            arch = m.get("general.architecture")
+            if i and arch is not None and arch != meta.get("general.architecture"):
+                raise FormatError(f"{f.name}: belongs to another model (architecture {arch}, the first shard "
+                                  f"says {meta.get('general.architecture')})")
+        if i == 0:
+            meta = m
+        for t in ts:
+            if t.name in names_seen:
+                raise FormatError(f"{names_seen[t.name]} and {f.name} both hold tensor {t.name}: shards of two models")
+            names_seen[t.name] = f.name
+        tensors += ts
+    if total is not None and total != len(tensors):
+        raise FormatError(f"{shards[0].name}: the shards hold {len(tensors)} tensors, the split says {total}")
+    return meta, tensors
+
+
 def open_gguf(path: Path) -> Source:
-    meta, tensors, _ = read_header(path)
+    """A GGUF model: one file, or a shard set given by any shard or its directory."""
+    shards = shard_paths(path)
+    path = shards[0]
+    meta, tensors = _read_shards(shards)
     common: dict[str, TensorInfo] = {}
     per_expert: dict[tuple[int, str], dict[int, TensorInfo]] = {}
     experts: dict[tuple[int, str], ExpertTensor] = {}
@@ -162,7 +230,7 @@ def open_gguf(path: Path) -> Source:
             per = t.nbytes // e_count       # dims are checked positive by read_header
             experts[(en.layer, en.kind)] = ExpertTensor(
                 en.layer, en.kind, t.qtype, (n_rows, k),
-                tuple((path, t.offset + e * per, per) for e in range(e_count)))
+                tuple((t.path, t.offset + e * per, per) for e in range(e_count)))
         else:
             if len(t.shape) != 2:
                 raise FormatError(f"{path.name}: expert tensor {t.name} is not 2-D: {list(t.shape)}")
@@ -174,11 +242,11 @@ def open_gguf(path: Path) -> Source:
             raise FormatError(f"{path.name}: layer {layer} {kind} experts differ in type or shape")
         ts = [by_e[e] for e in sorted(by_e)]
         experts[(layer, kind)] = ExpertTensor(layer, kind, ts[0].qtype, ts[0].shape,
-                                              tuple((path, t.offset, t.nbytes) for t in ts))
+                                              tuple((t.path, t.offset, t.nbytes) for t in ts))
     emb = common.get("token_embd.weight")
     if emb is None:
         raise FormatError(f"{path.name}: no token_embd.weight tensor")
     cfg = from_gguf_metadata(meta, vocab=emb.shape[0])
     if "output.weight" not in common:
         cfg = type(cfg).from_dict({**cfg.to_dict(), "tie_embeddings": True})
-    return Source("gguf", path, cfg, meta, common, experts, files=[path])
+    return Source("gguf", path, cfg, meta, common, experts, files=shards)

@@ -158,12 +158,16 @@ class Source:
 
 
 def open_source(path: str | os.PathLike) -> Source:
-    """Open a GGUF file or an HF directory; one-line FormatError on anything malformed."""
+    """Open a GGUF file (or a shard set: any shard, or the directory that holds it) or an HF
+    directory; one-line FormatError on anything malformed."""
     p = Path(path)
     if not p.exists():
         raise FormatError(f"{p}: no such file or directory")
     try:
-        if p.is_dir():
+        if p.is_dir() and not (p / "config.json").exists() and any(p.glob("*.gguf")):
+            from mawforge.formats.gguf import open_gguf     # a directory of GGUF shards
+            src = open_gguf(p)
+        elif p.is_dir():
             from mawforge.formats.hf import open_hf
             src = open_hf(p)
         elif p.is_file():
