@@ -216,28 +216,36 @@ static void dec_iq1m_c(const uint8_t *w, dblk *o) {
 
 
 #ifdef __AVX2__
-/* The AVX2 decoders: the portable ones' values, a register of 32 at a time (tests compare the builds) */
+/* The AVX2 decoders, per group of 32 values: g_T(w, ib) gives group ib's values in one register,
+   s_T(w, ls) the block's 16 scales as int8, d_T(w) its float scale. A dblk decode stores them all;
+   the one-token product (fused_dot below) takes each group straight into the integer sum, with
+   the very int32 lanes dblk_dot gives, so the two paths agree to the bit. */
 static inline __m256i nibbles32(const uint8_t *qs) {   /* bytes 0-15 the low nibbles, 16-31 the high */
     const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0xF));
 }
-static inline void put16(int16_t *dst, __m128i bytes) { _mm256_store_si256((__m256i *)dst, _mm256_cvtepi8_epi16(bytes)); }
 #define G4(t, a, b, c, d) _mm256_set_epi64x((long long)(t)[d], (long long)(t)[c], (long long)(t)[b], (long long)(t)[a])
-
-static void dec_q2k(const uint8_t *w, dblk *o) {
-    const __m128i s = _mm_loadu_si128((const __m128i *)w), m4 = _mm_set1_epi8(0xF);
-    put16(o->sc, _mm_and_si128(s, m4));
-    put16(o->mn, _mm_and_si128(_mm_srli_epi16(s, 4), m4));
-    const __m256i m3 = _mm256_set1_epi8(3);
-    for (int k = 0; k < 2; k++) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * k));
-        for (int j = 0; j < 4; j++)
-            _mm256_store_si256((__m256i *)(o->v + 128 * k + 32 * j), _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3));
-    }
-    o->d = f16(w + 80); o->dmin = f16(w + 82);
+static inline void ls_pairs(int8_t *ls, int ib, int v) { ls[2 * ib] = ls[2 * ib + 1] = (int8_t)v; }
+static inline void ls_nibbles(const uint8_t *sc8, int8_t *ls) {   /* 2 * nibble + 1, low nibble first */
+    for (int ib = 0; ib < 8; ib++) { ls[2 * ib] = (int8_t)(2 * (sc8[ib] & 0xF) + 1); ls[2 * ib + 1] = (int8_t)(2 * (sc8[ib] >> 4) + 1); }
 }
 
-static void dec_q3k(const uint8_t *w, dblk *o) {
+FORCE_INLINE __m256i g_q2k(const uint8_t *w, int ib) {
+    return _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(w + 16 + 32 * (ib / 4))), 2 * (ib % 4)),
+                            _mm256_set1_epi8(3));
+}
+static inline void s_q2k(const uint8_t *w, int8_t *ls) { for (int i = 0; i < 16; i++) ls[i] = (int8_t)(w[i] & 0xF); }
+static inline float d_q2k(const uint8_t *w) { return f16(w + 80); }
+
+FORCE_INLINE __m256i g_q3k(const uint8_t *w, int ib) {
+    const int k = ib / 4, j = ib % 4;
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 32 + 32 * k));
+    const __m256i clear = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)w),
+                                                             _mm256_set1_epi8((char)(1 << ib))), _mm256_setzero_si256());
+    return _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(q, 2 * j), _mm256_set1_epi8(3)),
+                           _mm256_and_si256(clear, _mm256_set1_epi8(4)));
+}
+static inline void s_q3k(const uint8_t *w, int8_t *ls) {
     uint32_t a[4];
     memcpy(a, w + 96, 12);
     const uint32_t tmp = a[2], m2 = 0x0f0f0f0f, m1 = 0x03030303;
@@ -245,152 +253,130 @@ static void dec_q3k(const uint8_t *w, dblk *o) {
     a[3] = ((a[1] >> 4) & m2) | (((tmp >> 6) & m1) << 4);
     a[0] = (a[0] & m2) | (((tmp >> 0) & m1) << 4);
     a[1] = (a[1] & m2) | (((tmp >> 2) & m1) << 4);
-    put16(o->sc, _mm_sub_epi8(_mm_loadu_si128((const __m128i *)a), _mm_set1_epi8(32)));
-    const __m256i hm = _mm256_loadu_si256((const __m256i *)w), m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
-    for (int k = 0; k < 2; k++) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 32 + 32 * k));
-        for (int j = 0; j < 4; j++) {
-            const __m256i clear = _mm256_cmpeq_epi8(_mm256_and_si256(hm, _mm256_set1_epi8((char)(1 << (4 * k + j)))),
-                                                    _mm256_setzero_si256());
-            const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(q, 2 * j), m3);
-            _mm256_store_si256((__m256i *)(o->v + 128 * k + 32 * j), _mm256_sub_epi8(lo, _mm256_and_si256(clear, four)));
-        }
-    }
-    o->d = f16(w + 108);
+    const int8_t *s = (const int8_t *)a;
+    for (int i = 0; i < 16; i++) ls[i] = (int8_t)(s[i] - 32);
 }
+static inline float d_q3k(const uint8_t *w) { return f16(w + 108); }
 
-static void dec_iq4xs(const uint8_t *w, dblk *o) {
-    const __m256i tab = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)KVALUES_IQ4NL));
+FORCE_INLINE __m256i g_iq4xs(const uint8_t *w, int ib) {
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)KVALUES_IQ4NL)),
+                               nibbles32(w + 8 + 16 * ib));
+}
+static inline void s_iq4xs(const uint8_t *w, int8_t *ls) {
     const uint16_t sh = rd16(w + 2);
-    int8_t ls[16];
-    for (int ib = 0; ib < 8; ib++) {
-        ls[2 * ib] = ls[2 * ib + 1] = (int8_t)((((w[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4)) - 32);
-        _mm256_store_si256((__m256i *)(o->v + 32 * ib), _mm256_shuffle_epi8(tab, nibbles32(w + 8 + 16 * ib)));
-    }
-    put16(o->sc, _mm_loadu_si128((const __m128i *)ls));
-    o->d = f16(w);
+    for (int ib = 0; ib < 8; ib++)
+        ls_pairs(ls, ib, (((w[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | (((sh >> (2 * ib)) & 3) << 4)) - 32);
 }
+static inline float d_iq4xs(const uint8_t *w) { return f16(w); }
 
-static void dec_iq2xxs(const uint8_t *w, dblk *o) {
-    int8_t ls[16];
-    for (int ib = 0; ib < 8; ib++) {
-        const uint8_t *q = w + 2 + 8 * ib;
-        const uint32_t a1 = rd32(q + 4);
-        ls[2 * ib] = ls[2 * ib + 1] = (int8_t)(2 * (a1 >> 28) + 1);
-        const __m256i g = G4(IQ2XXS_GRID, q[0], q[1], q[2], q[3]);
-        const __m256i s = G4(KSIGNS8, a1 & 127, (a1 >> 7) & 127, (a1 >> 14) & 127, (a1 >> 21) & 127);
-        _mm256_store_si256((__m256i *)(o->v + 32 * ib), _mm256_sign_epi8(g, s));
-    }
-    put16(o->sc, _mm_loadu_si128((const __m128i *)ls));
-    o->d = 0.125f * f16(w);
+FORCE_INLINE __m256i g_iq2xxs(const uint8_t *w, int ib) {
+    const uint8_t *q = w + 2 + 8 * ib;
+    const uint32_t a1 = rd32(q + 4);
+    return _mm256_sign_epi8(G4(IQ2XXS_GRID, q[0], q[1], q[2], q[3]),
+                            G4(KSIGNS8, a1 & 127, (a1 >> 7) & 127, (a1 >> 14) & 127, (a1 >> 21) & 127));
 }
+static inline void s_iq2xxs(const uint8_t *w, int8_t *ls) { for (int ib = 0; ib < 8; ib++) ls_pairs(ls, ib, 2 * (rd32(w + 6 + 8 * ib) >> 28) + 1); }
+static inline float d_iq2xxs(const uint8_t *w) { return 0.125f * f16(w); }
 
-static void dec_iq2xs(const uint8_t *w, dblk *o) {
-    const __m128i sc = _mm_loadl_epi64((const __m128i *)(w + 66)), m4 = _mm_set1_epi8(0xF);
-    /* bytes lo0 hi0 lo1 hi1 ...: 2 * nibble + 1 */
-    const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(sc, m4), _mm_and_si128(_mm_srli_epi16(sc, 4), m4));
-    put16(o->sc, _mm_add_epi8(_mm_add_epi8(nib, nib), _mm_set1_epi8(1)));
-    for (int ib = 0; ib < 8; ib++) {
-        uint16_t q[4];
-        memcpy(q, w + 2 + 8 * ib, 8);
-        const __m256i g = G4(IQ2XS_GRID, q[0] & 511, q[1] & 511, q[2] & 511, q[3] & 511);
-        const __m256i s = G4(KSIGNS8, q[0] >> 9, q[1] >> 9, q[2] >> 9, q[3] >> 9);
-        _mm256_store_si256((__m256i *)(o->v + 32 * ib), _mm256_sign_epi8(g, s));
-    }
-    o->d = 0.125f * f16(w);
+FORCE_INLINE __m256i g_iq2xs(const uint8_t *w, int ib) {
+    uint16_t q[4];
+    memcpy(q, w + 2 + 8 * ib, 8);
+    return _mm256_sign_epi8(G4(IQ2XS_GRID, q[0] & 511, q[1] & 511, q[2] & 511, q[3] & 511),
+                            G4(KSIGNS8, q[0] >> 9, q[1] >> 9, q[2] >> 9, q[3] >> 9));
 }
+static inline void s_iq2xs(const uint8_t *w, int8_t *ls) { ls_nibbles(w + 66, ls); }
+static inline float d_iq2xs(const uint8_t *w) { return 0.125f * f16(w); }
 
-static void dec_iq2s(const uint8_t *w, dblk *o) {
-    const uint8_t *qs = w + 2, *signs = w + 34, *qh = w + 66;
-    const __m128i sc = _mm_loadl_epi64((const __m128i *)(w + 74)), m4 = _mm_set1_epi8(0xF);
-    const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(sc, m4), _mm_and_si128(_mm_srli_epi16(sc, 4), m4));
-    put16(o->sc, _mm_add_epi8(_mm_add_epi8(nib, nib), _mm_set1_epi8(1)));
-    for (int ib = 0; ib < 8; ib++) {
-        const uint8_t *q = qs + 4 * ib, h = qh[ib];
-        const __m256i g = G4(IQ2S_GRID, q[0] | ((h << 8) & 0x300), q[1] | ((h << 6) & 0x300), q[2] | ((h << 4) & 0x300),
-                             q[3] | ((h << 2) & 0x300));
-        const uint8_t *sg = signs + 4 * ib;
-        const __m256i s = G4(SIGN8, sg[0], sg[1], sg[2], sg[3]);
-        _mm256_store_si256((__m256i *)(o->v + 32 * ib), _mm256_sign_epi8(g, s));
-    }
-    o->d = 0.125f * f16(w);
+FORCE_INLINE __m256i g_iq2s(const uint8_t *w, int ib) {
+    const uint8_t *q = w + 2 + 4 * ib, h = w[66 + ib], *sg = w + 34 + 4 * ib;
+    return _mm256_sign_epi8(G4(IQ2S_GRID, q[0] | ((h << 8) & 0x300), q[1] | ((h << 6) & 0x300), q[2] | ((h << 4) & 0x300),
+                               q[3] | ((h << 2) & 0x300)), G4(SIGN8, sg[0], sg[1], sg[2], sg[3]));
 }
+static inline void s_iq2s(const uint8_t *w, int8_t *ls) { ls_nibbles(w + 74, ls); }
+static inline float d_iq2s(const uint8_t *w) { return 0.125f * f16(w); }
 
-static void dec_iq3xxs(const uint8_t *w, dblk *o) {
-    const uint8_t *q3 = w + 2;
-    int8_t ls[16];
-    for (int ib = 0; ib < 8; ib++) {
-        const uint32_t a = rd32(w + 66 + 4 * ib);
-        const uint8_t *q = q3 + 8 * ib;
-        ls[2 * ib] = ls[2 * ib + 1] = (int8_t)(2 * (a >> 28) + 1);
-        const __m256i g = _mm256_set_epi32((int)IQ3XXS_GRID[q[7]], (int)IQ3XXS_GRID[q[6]], (int)IQ3XXS_GRID[q[5]],
-                                           (int)IQ3XXS_GRID[q[4]], (int)IQ3XXS_GRID[q[3]], (int)IQ3XXS_GRID[q[2]],
-                                           (int)IQ3XXS_GRID[q[1]], (int)IQ3XXS_GRID[q[0]]);
-        const __m256i s = G4(KSIGNS8, a & 127, (a >> 7) & 127, (a >> 14) & 127, (a >> 21) & 127);
-        _mm256_store_si256((__m256i *)(o->v + 32 * ib), _mm256_sign_epi8(g, s));
-    }
-    put16(o->sc, _mm_loadu_si128((const __m128i *)ls));
-    o->d = 0.25f * f16(w);
+FORCE_INLINE __m256i g_iq3xxs(const uint8_t *w, int ib) {
+    const uint8_t *q = w + 2 + 8 * ib;
+    const uint32_t a = rd32(w + 66 + 4 * ib);
+    const __m256i g = _mm256_set_epi32((int)IQ3XXS_GRID[q[7]], (int)IQ3XXS_GRID[q[6]], (int)IQ3XXS_GRID[q[5]],
+                                       (int)IQ3XXS_GRID[q[4]], (int)IQ3XXS_GRID[q[3]], (int)IQ3XXS_GRID[q[2]],
+                                       (int)IQ3XXS_GRID[q[1]], (int)IQ3XXS_GRID[q[0]]);
+    return _mm256_sign_epi8(g, G4(KSIGNS8, a & 127, (a >> 7) & 127, (a >> 14) & 127, (a >> 21) & 127));
 }
+static inline void s_iq3xxs(const uint8_t *w, int8_t *ls) { for (int ib = 0; ib < 8; ib++) ls_pairs(ls, ib, 2 * (rd32(w + 66 + 4 * ib) >> 28) + 1); }
+static inline float d_iq3xxs(const uint8_t *w) { return 0.25f * f16(w); }
 
-static void dec_iq3s(const uint8_t *w, dblk *o) {
-    const uint8_t *qs = w + 2, *qh = w + 66, *signs = w + 74, *sc = w + 106;
-    int8_t ls[16];
-    for (int ib = 0; ib < 8; ib++) {
-        ls[2 * ib] = ls[2 * ib + 1] = (int8_t)(2 * ((sc[ib / 2] >> (4 * (ib % 2))) & 0xF) + 1);
-        const uint8_t *q = qs + 8 * ib;
-        const int h = qh[ib];
-        #define I3(l) (int)IQ3S_GRID[q[2 * (l)] | ((h << (8 - 2 * (l))) & 256)], \
-                      (int)IQ3S_GRID[q[2 * (l) + 1] | ((h << (7 - 2 * (l))) & 256)]
-        const __m256i g = _mm256_setr_epi32(I3(0), I3(1), I3(2), I3(3));
-        #undef I3
-        const uint8_t *sg = signs + 4 * ib;
-        _mm256_store_si256((__m256i *)(o->v + 32 * ib), _mm256_sign_epi8(g, G4(SIGN8, sg[0], sg[1], sg[2], sg[3])));
-    }
-    put16(o->sc, _mm_loadu_si128((const __m128i *)ls));
-    o->d = f16(w);
+FORCE_INLINE __m256i g_iq3s(const uint8_t *w, int ib) {
+    const uint8_t *q = w + 2 + 8 * ib, *sg = w + 74 + 4 * ib;
+    const int h = w[66 + ib];
+    #define I3(l) (int)IQ3S_GRID[q[2 * (l)] | ((h << (8 - 2 * (l))) & 256)], \
+                  (int)IQ3S_GRID[q[2 * (l) + 1] | ((h << (7 - 2 * (l))) & 256)]
+    const __m256i g = _mm256_setr_epi32(I3(0), I3(1), I3(2), I3(3));
+    #undef I3
+    return _mm256_sign_epi8(g, G4(SIGN8, sg[0], sg[1], sg[2], sg[3]));
 }
+static inline void s_iq3s(const uint8_t *w, int8_t *ls) {
+    for (int ib = 0; ib < 8; ib++) ls_pairs(ls, ib, 2 * ((w[106 + ib / 2] >> (4 * (ib % 2))) & 0xF) + 1);
+}
+static inline float d_iq3s(const uint8_t *w) { return f16(w); }
 
 /* IQ1 values 8 * g + delta, g in {-1, 0, 1}: sign(8, g) + delta */
 static inline __m256i iq1_v(__m256i g, __m256i delta) { return _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), g), delta); }
-
-static void dec_iq1s(const uint8_t *w, dblk *o) {
-    const uint8_t *qs = w + 2;
-    int8_t ls[16];
-    for (int ib = 0; ib < 8; ib++) {
-        const uint16_t qh = rd16(w + 34 + 2 * ib);
-        ls[2 * ib] = ls[2 * ib + 1] = (int8_t)(2 * ((qh >> 12) & 7) + 1);
-        const uint8_t *q = qs + 4 * ib;
-        const __m256i g = G4(IQ1S_GRID, q[0] | ((qh << 8) & 0x700), q[1] | ((qh << 5) & 0x700), q[2] | ((qh << 2) & 0x700),
-                             q[3] | ((qh >> 1) & 0x700));
-        _mm256_store_si256((__m256i *)(o->v + 32 * ib), iq1_v(g, _mm256_set1_epi8(qh & 0x8000 ? -1 : 1)));
-    }
-    put16(o->sc, _mm_loadu_si128((const __m128i *)ls));
-    o->d = f16(w) * 0.125f;
+FORCE_INLINE __m256i g_iq1s(const uint8_t *w, int ib) {
+    const uint16_t qh = rd16(w + 34 + 2 * ib);
+    const uint8_t *q = w + 2 + 4 * ib;
+    return iq1_v(G4(IQ1S_GRID, q[0] | ((qh << 8) & 0x700), q[1] | ((qh << 5) & 0x700), q[2] | ((qh << 2) & 0x700),
+                    q[3] | ((qh >> 1) & 0x700)), _mm256_set1_epi8(qh & 0x8000 ? -1 : 1));
 }
+static inline void s_iq1s(const uint8_t *w, int8_t *ls) { for (int ib = 0; ib < 8; ib++) ls_pairs(ls, ib, 2 * ((rd16(w + 34 + 2 * ib) >> 12) & 7) + 1); }
+static inline float d_iq1s(const uint8_t *w) { return f16(w) * 0.125f; }
 
-static void dec_iq1m(const uint8_t *w, dblk *o) {
-    const uint8_t *qs = w, *qh = w + 32;
+FORCE_INLINE __m256i g_iq1m(const uint8_t *w, int ib) {
+    const uint8_t *q = w + 4 * ib, h0 = w[32 + 2 * ib], h1 = w[33 + 2 * ib];
+    const __m256i delta = _mm256_set_epi64x(h1 & 0x80 ? -1LL : 0x0101010101010101LL, h1 & 0x08 ? -1LL : 0x0101010101010101LL,
+                                            h0 & 0x80 ? -1LL : 0x0101010101010101LL, h0 & 0x08 ? -1LL : 0x0101010101010101LL);
+    return iq1_v(G4(IQ1S_GRID, q[0] | ((h0 << 8) & 0x700), q[1] | ((h0 << 4) & 0x700), q[2] | ((h1 << 8) & 0x700),
+                    q[3] | ((h1 << 4) & 0x700)), delta);
+}
+static inline void s_iq1m(const uint8_t *w, int8_t *ls) {
+    uint16_t sc[4];
+    memcpy(sc, w + 48, 8);
+    for (int ib = 0; ib < 8; ib++) {
+        ls[2 * ib] = (int8_t)(2 * ((sc[ib / 2] >> (6 * (ib % 2))) & 7) + 1);
+        ls[2 * ib + 1] = (int8_t)(2 * ((sc[ib / 2] >> (6 * (ib % 2) + 3)) & 7) + 1);
+    }
+}
+static inline float d_iq1m(const uint8_t *w) {
     uint16_t sc[4];
     memcpy(sc, w + 48, 8);
     const uint16_t d16 = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000));
     uint8_t db[2]; memcpy(db, &d16, 2);
-    int8_t ls[16];
-    for (int ib = 0; ib < 8; ib++) {
-        ls[2 * ib] = (int8_t)(2 * ((sc[ib / 2] >> (6 * (ib % 2))) & 7) + 1);
-        ls[2 * ib + 1] = (int8_t)(2 * ((sc[ib / 2] >> (6 * (ib % 2) + 3)) & 7) + 1);
-        const uint8_t *q = qs + 4 * ib, h0 = qh[2 * ib], h1 = qh[2 * ib + 1];
-        const __m256i g = G4(IQ1S_GRID, q[0] | ((h0 << 8) & 0x700), q[1] | ((h0 << 4) & 0x700), q[2] | ((h1 << 8) & 0x700),
-                             q[3] | ((h1 << 4) & 0x700));
-        const __m256i delta = _mm256_set_epi64x(h1 & 0x80 ? -1LL : 0x0101010101010101LL,
-                                                h1 & 0x08 ? -1LL : 0x0101010101010101LL,
-                                                h0 & 0x80 ? -1LL : 0x0101010101010101LL,
-                                                h0 & 0x08 ? -1LL : 0x0101010101010101LL);
-        _mm256_store_si256((__m256i *)(o->v + 32 * ib), iq1_v(g, delta));
-    }
-    put16(o->sc, _mm_loadu_si128((const __m128i *)ls));
-    o->d = f16(db) * 0.125f;
+    return f16(db) * 0.125f;
 }
+
+static inline void put16(int16_t *dst, const int8_t *ls) {
+    _mm256_store_si256((__m256i *)dst, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)ls)));
+}
+#define DEC_AVX2(T)                                                                                    \
+static void dec_##T(const uint8_t *w, dblk *o) {                                                      \
+    int8_t ls[16];                                                                                     \
+    s_##T(w, ls);                                                                                      \
+    put16(o->sc, ls);                                                                                  \
+    for (int ib = 0; ib < 8; ib++) _mm256_store_si256((__m256i *)(o->v + 32 * ib), g_##T(w, ib));    \
+    o->d = d_##T(w);                                                                                   \
+}
+DEC_AVX2(q3k) DEC_AVX2(iq4xs) DEC_AVX2(iq2xxs) DEC_AVX2(iq2xs) DEC_AVX2(iq2s) DEC_AVX2(iq3xxs) DEC_AVX2(iq3s)
+DEC_AVX2(iq1s) DEC_AVX2(iq1m)
+static void dec_q2k(const uint8_t *w, dblk *o) {
+    int8_t ls[16], mn[16];
+    s_q2k(w, ls);
+    for (int i = 0; i < 16; i++) mn[i] = (int8_t)(w[i] >> 4);
+    put16(o->sc, ls);
+    put16(o->mn, mn);
+    for (int ib = 0; ib < 8; ib++) _mm256_store_si256((__m256i *)(o->v + 32 * ib), g_q2k(w, ib));
+    o->d = d_q2k(w); o->dmin = f16(w + 82);
+}
+#define HAVE_FUSED 1
 #undef G4
 #else
 #define dec_q2k dec_q2k_c
@@ -542,7 +528,42 @@ static int gemm_rows_dblk(dec_fn dec, int mins, const uint8_t *w, long rb, int n
 
 /* one weight row of nb blocks . one q8_K row, and the same against four rows (each row's float
    operations those of the one-row kernel, in its order, so the same bits) */
-#define DBLK_KERNELS(name, bytes, decode, mins)                                                        \
+#ifdef HAVE_FUSED
+/* one token: each group decoded into a register and multiplied at once (no dblk in memory); the
+   int32 lanes are dblk_dot's, the float operations the decoded kernels', so the same bits */
+static inline int q2k_mins(const uint8_t *w, const int16_t *bs) {
+    const __m128i m = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)w), 4), _mm_set1_epi8(0xF));
+    const __m256i p = _mm256_madd_epi16(_mm256_cvtepu8_epi16(m), _mm256_loadu_si256((const __m256i *)bs));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    return _mm_cvtsi128_si32(t);
+}
+#define DBLK_DOT1(name, bytes, decode, mins)                                                           \
+static float dot_##name(const uint8_t *w, int nb, qrow x) {                                           \
+    facc acc = FACC_ZERO; float accm = 0.f;                                                            \
+    for (int b = 0; b < nb; b++) {                                                                     \
+        const uint8_t *blk = w + (long)b * (bytes);                                                   \
+        _mm_prefetch((const char *)(blk + PF_AHEAD), _MM_HINT_T0);                                     \
+        _mm_prefetch((const char *)(blk + PF_AHEAD + 64), _MM_HINT_T0);                                \
+        int8_t ls[16];                                                                                 \
+        s_##name(blk, ls);                                                                             \
+        const __m256i s0 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)ls)));      \
+        const __m256i s1 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(ls + 8)))); \
+        const int8_t *q8 = x.q + b * QK;                                                               \
+        __m256i sumi = _mm256_setzero_si256();                                                         \
+        for (int g = 0; g < 8; g++) {                                                                  \
+            const __m256i v = g_##name(blk, g), xx = _mm256_loadu_si256((const __m256i *)(q8 + 32 * g)); \
+            const __m256i pr = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(xx, v));   \
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(pr, _mm256_shuffle_epi8(g < 4 ? s0 : s1, pick16(8 + g % 4)))); \
+        }                                                                                              \
+        acc = facc_add(acc, d_##name(blk) * x.d[b], sumi);                                             \
+        if (mins) accm += f16(blk + 82) * x.d[b] * (float)q2k_mins(blk, x.bs + b * 16);               \
+    }                                                                                                  \
+    return facc_sum(acc) - accm;                                                                       \
+}
+#else
+#define DBLK_DOT1(name, bytes, decode, mins)                                                           \
 static float dot_##name(const uint8_t *w, int nb, qrow x) {                                           \
     facc acc = FACC_ZERO; float accm = 0.f;                                                            \
     dblk o;                                                                                            \
@@ -552,7 +573,10 @@ static float dot_##name(const uint8_t *w, int nb, qrow x) {                     
         if (mins) accm += o.dmin * x.d[b] * (float)dblk_mins(&o, x.bs + b * 16);                      \
     }                                                                                                  \
     return facc_sum(acc) - accm;                                                                       \
-}                                                                                                      \
+}
+#endif
+#define DBLK_KERNELS(name, bytes, decode, mins)                                                        \
+DBLK_DOT1(name, bytes, decode, mins)                                                                   \
 static void dot4_##name(const uint8_t *w, int nb, const qrow *x, float *out) {                       \
     facc acc[4] = {FACC_ZERO, FACC_ZERO, FACC_ZERO, FACC_ZERO}; float accm[4] = {0.f, 0.f, 0.f, 0.f};  \
     dblk o;                                                                                            \
