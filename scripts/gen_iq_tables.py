@@ -55,7 +55,8 @@ def render() -> str:
     parts.append(c_array("uint64_t", "SIGN8", [expand(b).view(np.uint64)[0] for b in range(256)], 4, "0x{:016x}"))
     parts.append(c_array("uint8_t", "KSIGNS_IQ2XS", ksigns, 16, "0x{:02x}"))
     for name, vals in (("KVALUES_IQ4NL", gq.IQ4_NL.kvalues), ("KVALUES_MXFP4", gq.MXFP4.kvalues)):
-        parts.append(f"static const int8_t {name}[16] __attribute__((aligned(16))) = {{{', '.join(map(str, vals))}}};\n")
+        body = ", ".join(map(str, vals))
+        parts.append(f"static const int8_t {name}[16] __attribute__((aligned(16))) = {{{body}}};\n")
     return "\n".join(parts)
 
 

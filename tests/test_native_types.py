@@ -25,9 +25,9 @@ FIRST_FIVE = (T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
 TYPES = [t for t in native.TYPES if t not in FIRST_FIVE]
 # byte offsets of each block's float16 scales: random bytes everywhere else (every bit pattern of
 # the codes, grid indices and sign bits), sane scales there
-F16_SCALES = {T.Q8_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.IQ4_NL: (0,), T.Q2_K: (80, 82), T.Q3_K: (108,),
-              T.IQ4_XS: (0,), T.IQ2_XXS: (0,), T.IQ2_XS: (0,), T.IQ2_S: (0,), T.IQ3_XXS: (0,), T.IQ3_S: (0,),
-              T.IQ1_S: (0,)}
+F16_SCALES = {T.Q8_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.IQ4_NL: (0,), T.Q2_K: (80, 82),
+              T.Q3_K: (108,), T.IQ4_XS: (0,), T.IQ2_XXS: (0,), T.IQ2_XS: (0,), T.IQ2_S: (0,), T.IQ3_XXS: (0,),
+              T.IQ3_S: (0,), T.IQ1_S: (0,)}
 
 
 def random_rows(qt: T, n: int, k: int, seed: int) -> torch.Tensor:
