@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -61,6 +62,8 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=24)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--record", action="store_true", help="also write the record to benchmarks/records/")
+    ap.add_argument("--keep-packs", action="store_true", help="keep each type's pack (default: removed after its "
+                    "rows: every type's pack beside its GGUF would not fit the disk)")
     a = ap.parse_args()
     threads = int(os.environ.get("MAWFORGE_BENCH_THREADS", "2"))
     source = synth_model(a.layers, "F16")
@@ -88,6 +91,8 @@ def main() -> int:
             row[f"{k}_ratio"] = row[f"mawforge_{k}"] / row[f"llama_{k}"] if row[f"llama_{k}"] else None
         for r in (*row["llama"], *row["mawforge"]):
             r.pop("cgroup", None)
+        if not a.keep_packs:
+            shutil.rmtree(pack)
         record["rows"].append(row)
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                           if k not in ("llama", "mawforge")}), flush=True)

@@ -616,54 +616,50 @@ static inline __m256i bits32(const uint8_t *qh) {       /* byte j: 0x10 where bi
 static inline __m256 dotu32(__m256i u, __m256i x) {     /* unsigned 0..31 . int8 over 32 lanes -> 8 float partials */
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
 }
-#define XQ(b) _mm256_loadu_si256((const __m256i *)(x.q + (b) * Q80))
+/* one block's 32 values in a register: unsigned (Q4_1, Q5_1: 0..31) or signed */
+static inline __m256i v_q41(const uint8_t *w) { return nibbles32(w + 4); }
+static inline __m256i v_q51(const uint8_t *w) { return _mm256_or_si256(nibbles32(w + 8), bits32(w + 4)); }
+static inline __m256i v_q50(const uint8_t *w) {
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles32(w + 6), bits32(w + 2)), _mm256_set1_epi8(16));
+}
+static inline __m256i v_iq4nl(const uint8_t *w) {
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)KVALUES_IQ4NL)), nibbles32(w + 2));
+}
+static inline __m256i v_mxfp4(const uint8_t *w) {
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)KVALUES_MXFP4)), nibbles32(w + 1));
+}
+static inline float d_f16at0(const uint8_t *w) { return f16(w); }
+static inline float d_e8m0(const uint8_t *w) { return e8m0_half(w[0]); }
 
-static float dot_q41(const uint8_t *w, int nb, qrow x) {
-    __m256 acc = _mm256_setzero_ps(); float summs = 0.f;
-    const float *s = (const float *)x.bs;
-    for (int b = 0; b < nb; b++, w += 20) {
-        summs += f16(w + 2) * s[b];
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w) * x.d[b]), dotu32(nibbles32(w + 4), XQ(b)), acc);
-    }
-    return hsum_ps(acc) + summs;
-}
-static float dot_q51(const uint8_t *w, int nb, qrow x) {
-    __m256 acc = _mm256_setzero_ps(); float summs = 0.f;
-    const float *s = (const float *)x.bs;
-    for (int b = 0; b < nb; b++, w += 24) {
-        summs += f16(w + 2) * s[b];
-        const __m256i q = _mm256_or_si256(nibbles32(w + 8), bits32(w + 4));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w) * x.d[b]), dotu32(q, XQ(b)), acc);
-    }
-    return hsum_ps(acc) + summs;
-}
-static float dot_q50(const uint8_t *w, int nb, qrow x) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++, w += 22) {
-        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(nibbles32(w + 6), bits32(w + 2)), _mm256_set1_epi8(16));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w) * x.d[b]), dot32_i8(q, XQ(b)), acc);
-    }
-    return hsum_ps(acc);
-}
-static float dot_iq4nl(const uint8_t *w, int nb, qrow x) {
-    const __m256i tab = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)KVALUES_IQ4NL));
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++, w += 18) {
-        const __m256i q = _mm256_shuffle_epi8(tab, nibbles32(w + 2));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16(w) * x.d[b]), dot32_i8(q, XQ(b)), acc);
-    }
-    return hsum_ps(acc);
-}
-static float dot_mxfp4(const uint8_t *w, int nb, qrow x) {
-    const __m256i tab = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)KVALUES_MXFP4));
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++, w += 17) {
-        const __m256i q = _mm256_shuffle_epi8(tab, nibbles32(w + 1));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(e8m0_half(w[0]) * x.d[b]), dot32_i8(q, XQ(b)), acc);
-    }
-    return hsum_ps(acc);
-}
-#undef XQ
+/* R rows of x (1 or 4, a constant at each use) against one weight row of 32-element blocks: each
+   block decoded once for the R; per row the one-row kernel's float operations in its order (one
+   fmadd of d * dx a block, Q4_1 / Q5_1's min terms m * s summed apart), so R changes no bit */
+#define Q32_KERNELS(name, bytes, values, dscale, is_signed, has_min)                                  \
+FORCE_INLINE void q32_rows_##name(const uint8_t *w, int nb, const qrow *x, float *out, const int R) { \
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()}; \
+    float summs[4] = {0.f, 0.f, 0.f, 0.f};                                                             \
+    for (int b = 0; b < nb; b++, w += (bytes)) {                                                       \
+        _mm_prefetch((const char *)(w + PF_AHEAD), _MM_HINT_T0);                                       \
+        const __m256i v = values(w), av = is_signed ? _mm256_sign_epi8(v, v) : v;                      \
+        const float d = dscale(w), m = has_min ? f16(w + 2) : 0.f;                                     \
+        for (int r = 0; r < R; r++) {                                                                  \
+            const __m256i xx = _mm256_loadu_si256((const __m256i *)(x[r].q + b * Q80));               \
+            const __m256 pr = _mm256_cvtepi32_ps(_mm256_madd_epi16(                                   \
+                _mm256_maddubs_epi16(av, is_signed ? _mm256_sign_epi8(xx, v) : xx), _mm256_set1_epi16(1))); \
+            if (has_min) summs[r] += m * ((const float *)x[r].bs)[b];                                  \
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[r].d[b]), pr, acc[r]);                       \
+        }                                                                                              \
+    }                                                                                                  \
+    for (int r = 0; r < R; r++) out[r] = hsum_ps(acc[r]) + summs[r];                                   \
+}                                                                                                      \
+static float dot_##name(const uint8_t *w, int nb, qrow x) { float o; q32_rows_##name(w, nb, &x, &o, 1); return o; } \
+static void dot4_##name(const uint8_t *w, int nb, const qrow *x, float *out) { q32_rows_##name(w, nb, x, out, 4); }
+Q32_KERNELS(q41, 20, v_q41, d_f16at0, 0, 1)
+Q32_KERNELS(q51, 24, v_q51, d_f16at0, 0, 1)
+Q32_KERNELS(q50, 22, v_q50, d_f16at0, 1, 0)
+Q32_KERNELS(iq4nl, 18, v_iq4nl, d_f16at0, 1, 0)
+Q32_KERNELS(mxfp4, 17, v_mxfp4, d_e8m0, 1, 0)
+#define HAVE_Q32_DOT4 1
 
 /* F16 / BF16: nb is K / 32; four accumulators of eight lanes, as ggml's GGML_F16_STEP loop */
 static float dot_f16(const uint8_t *w, int nb, qrow x) {
@@ -758,6 +754,13 @@ static float (*more_dot_for(int type, int K, int *nb, long *row_bytes))(const ui
 
 static void (*more_dot4_for(int type))(const uint8_t *, int, const qrow *, float *) {
     switch (type) {
+#ifdef HAVE_Q32_DOT4
+    case T_Q4_1: return dot4_q41;
+    case T_Q5_1: return dot4_q51;
+    case T_Q5_0: return dot4_q50;
+    case T_IQ4_NL: return dot4_iq4nl;
+    case T_MXFP4: return dot4_mxfp4;
+#endif
     case T_Q2_K: return dot4_q2k;
     case T_Q3_K: return dot4_q3k;
     case T_IQ4_XS: return dot4_iq4xs;
