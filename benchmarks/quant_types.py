@@ -38,16 +38,22 @@ TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2
 # IQ2 / IQ1 experts: ggml's grid search quantizes 16 experts of each tensor, repeated over the 128
 # (requant.py: all 128 take 5-20 minutes a type on 2 cores); each expert keeps its own bytes
 DISTINCT = 16
+# llama ftypes made the same way for time: llama.cpp's IQ3_S and IQ4_NL search every block of all 128 experts
+# (over 10 minutes on 2 cores for 4 layers)
+GGML_FOR_TIME = ("IQ3_S", "IQ4_NL")
 
 
 def quant_file(source: Path, name: str, layers: int) -> Path:
-    from mawforge.fixtures.requant import quantize_gguf
+    from mawforge.fixtures.requant import GGML_EXPERT_TYPES, quantize_gguf
     if name == "F16":
         return source
     out = WORK / f"qwen3moe-L{layers}-{name}-from-F16.gguf"
     if not out.exists():
         t0 = time.perf_counter()
-        quantize_gguf(source, out.with_suffix(".part"), name, distinct_experts=DISTINCT)
+        by_ggml = name in GGML_EXPERT_TYPES or name in GGML_FOR_TIME
+        base = quant_file(source, "Q4_K_M", layers) if by_ggml else None
+        quantize_gguf(source, out.with_suffix(".part"), name, distinct_experts=DISTINCT, base=base,
+                      experts_by_ggml=name in GGML_FOR_TIME)
         out.with_suffix(".part").rename(out)
         print(f"# made {out.name} in {time.perf_counter() - t0:.0f} s", flush=True)
     return out
