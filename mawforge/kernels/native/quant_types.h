@@ -287,10 +287,17 @@ FORCE_INLINE __m256i g_iq2xs(const uint8_t *w, int ib) {
 static inline void s_iq2xs(const uint8_t *w, int8_t *ls) { ls_nibbles(w + 66, ls); }
 static inline float d_iq2xs(const uint8_t *w) { return 0.125f * f16(w); }
 
+/* +1 / -1 in byte j by bit j of the 32 bits at p (IQ2_S and IQ3_S keep their signs as plain bits) */
+static inline __m256i signs32(const uint8_t *p) {
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+    const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)rd32(p)), shuf), bit);
+    return _mm256_or_si256(_mm256_cmpeq_epi8(b, bit), _mm256_set1_epi8(1));
+}
 FORCE_INLINE __m256i g_iq2s(const uint8_t *w, int ib) {
-    const uint8_t *q = w + 2 + 4 * ib, h = w[66 + ib], *sg = w + 34 + 4 * ib;
+    const uint8_t *q = w + 2 + 4 * ib, h = w[66 + ib];
     return _mm256_sign_epi8(G4(IQ2S_GRID, q[0] | ((h << 8) & 0x300), q[1] | ((h << 6) & 0x300), q[2] | ((h << 4) & 0x300),
-                               q[3] | ((h << 2) & 0x300)), G4(SIGN8, sg[0], sg[1], sg[2], sg[3]));
+                               q[3] | ((h << 2) & 0x300)), signs32(w + 34 + 4 * ib));
 }
 static inline void s_iq2s(const uint8_t *w, int8_t *ls) { ls_nibbles(w + 74, ls); }
 static inline float d_iq2s(const uint8_t *w) { return 0.125f * f16(w); }
@@ -307,13 +314,14 @@ static inline void s_iq3xxs(const uint8_t *w, int8_t *ls) { for (int ib = 0; ib 
 static inline float d_iq3xxs(const uint8_t *w) { return 0.25f * f16(w); }
 
 FORCE_INLINE __m256i g_iq3s(const uint8_t *w, int ib) {
-    const uint8_t *q = w + 2 + 8 * ib, *sg = w + 74 + 4 * ib;
+    const uint8_t *q = w + 2 + 8 * ib;
     const int h = w[66 + ib];
     #define I3(l) (int)IQ3S_GRID[q[2 * (l)] | ((h << (8 - 2 * (l))) & 256)], \
                   (int)IQ3S_GRID[q[2 * (l) + 1] | ((h << (7 - 2 * (l))) & 256)]
     const __m256i g = _mm256_setr_epi32(I3(0), I3(1), I3(2), I3(3));
     #undef I3
-    return _mm256_sign_epi8(g, G4(SIGN8, sg[0], sg[1], sg[2], sg[3]));
+
+    return _mm256_sign_epi8(g, signs32(w + 74 + 4 * ib));
 }
 static inline void s_iq3s(const uint8_t *w, int8_t *ls) {
     for (int ib = 0; ib < 8; ib++) ls_pairs(ls, ib, 2 * ((w[106 + ib / 2] >> (4 * (ib % 2))) & 0xF) + 1);
@@ -362,6 +370,7 @@ static void dec_##T(const uint8_t *w, dblk *o) {                                
     int8_t ls[16];                                                                                     \
     s_##T(w, ls);                                                                                      \
     put16(o->sc, ls);                                                                                  \
+    _Pragma("GCC unroll 8")                                                                           \
     for (int ib = 0; ib < 8; ib++) _mm256_store_si256((__m256i *)(o->v + 32 * ib), g_##T(w, ib));    \
     o->d = d_##T(w);                                                                                   \
 }
@@ -539,7 +548,7 @@ static inline int q2k_mins(const uint8_t *w, const int16_t *bs) {
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
     return _mm_cvtsi128_si32(t);
 }
-#define DBLK_DOT1(name, bytes, decode, mins)                                                           \
+#define DBLK_DOT1_FUSED(name, bytes, decode, mins)                                                     \
 static float dot_##name(const uint8_t *w, int nb, qrow x) {                                           \
     facc acc = FACC_ZERO; float accm = 0.f;                                                            \
     for (int b = 0; b < nb; b++) {                                                                     \
@@ -552,6 +561,7 @@ static float dot_##name(const uint8_t *w, int nb, qrow x) {                     
         const __m256i s1 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(ls + 8)))); \
         const int8_t *q8 = x.q + b * QK;                                                               \
         __m256i sumi = _mm256_setzero_si256();                                                         \
+        _Pragma("GCC unroll 8")                                                                        \
         for (int g = 0; g < 8; g++) {                                                                  \
             const __m256i v = g_##name(blk, g), xx = _mm256_loadu_si256((const __m256i *)(q8 + 32 * g)); \
             const __m256i pr = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(xx, v));   \
@@ -562,8 +572,8 @@ static float dot_##name(const uint8_t *w, int nb, qrow x) {                     
     }                                                                                                  \
     return facc_sum(acc) - accm;                                                                       \
 }
-#else
-#define DBLK_DOT1(name, bytes, decode, mins)                                                           \
+#endif
+#define DBLK_DOT1_DECODED(name, bytes, decode, mins)                                                   \
 static float dot_##name(const uint8_t *w, int nb, qrow x) {                                           \
     facc acc = FACC_ZERO; float accm = 0.f;                                                            \
     dblk o;                                                                                            \
@@ -574,9 +584,17 @@ static float dot_##name(const uint8_t *w, int nb, qrow x) {                     
     }                                                                                                  \
     return facc_sum(acc) - accm;                                                                       \
 }
+/* which one-token kernel a type takes: fused where it measured faster (benchmarks/kernels.py, the
+   151936 x 2048 head shape, AMD EPYC Zen 4: IQ2_XXS, IQ3_XXS, IQ4_XS, Q2_K 1.0-1.35x ggml's time
+   fused against 1.17-1.75x decoded), else decoded (Q3_K, IQ2_XS, IQ2_S, IQ1_S, IQ1_M, IQ3_S:
+   1.27-1.94x decoded against 1.6-3.2x fused); the bits are the same either way */
+#ifdef HAVE_FUSED
+#define DBLK_DOT1_F DBLK_DOT1_FUSED
+#else
+#define DBLK_DOT1_F DBLK_DOT1_DECODED
 #endif
-#define DBLK_KERNELS(name, bytes, decode, mins)                                                        \
-DBLK_DOT1(name, bytes, decode, mins)                                                                   \
+#define DBLK_KERNELS(name, bytes, decode, mins, one)                                                   \
+one(name, bytes, decode, mins)                                                                         \
 static void dot4_##name(const uint8_t *w, int nb, const qrow *x, float *out) {                       \
     facc acc[4] = {FACC_ZERO, FACC_ZERO, FACC_ZERO, FACC_ZERO}; float accm[4] = {0.f, 0.f, 0.f, 0.f};  \
     dblk o;                                                                                            \
@@ -589,16 +607,16 @@ static void dot4_##name(const uint8_t *w, int nb, const qrow *x, float *out) {  
     }                                                                                                  \
     for (int r = 0; r < 4; r++) out[r] = facc_sum(acc[r]) - accm[r];                                   \
 }
-DBLK_KERNELS(q2k, 84, dec_q2k, 1)
-DBLK_KERNELS(q3k, 110, dec_q3k, 0)
-DBLK_KERNELS(iq4xs, 136, dec_iq4xs, 0)
-DBLK_KERNELS(iq2xxs, 66, dec_iq2xxs, 0)
-DBLK_KERNELS(iq2xs, 74, dec_iq2xs, 0)
-DBLK_KERNELS(iq2s, 82, dec_iq2s, 0)
-DBLK_KERNELS(iq3xxs, 98, dec_iq3xxs, 0)
-DBLK_KERNELS(iq3s, 110, dec_iq3s, 0)
-DBLK_KERNELS(iq1s, 50, dec_iq1s, 0)
-DBLK_KERNELS(iq1m, 56, dec_iq1m, 0)
+DBLK_KERNELS(q2k, 84, dec_q2k, 1, DBLK_DOT1_F)
+DBLK_KERNELS(q3k, 110, dec_q3k, 0, DBLK_DOT1_DECODED)
+DBLK_KERNELS(iq4xs, 136, dec_iq4xs, 0, DBLK_DOT1_F)
+DBLK_KERNELS(iq2xxs, 66, dec_iq2xxs, 0, DBLK_DOT1_F)
+DBLK_KERNELS(iq2xs, 74, dec_iq2xs, 0, DBLK_DOT1_DECODED)
+DBLK_KERNELS(iq2s, 82, dec_iq2s, 0, DBLK_DOT1_DECODED)
+DBLK_KERNELS(iq3xxs, 98, dec_iq3xxs, 0, DBLK_DOT1_F)
+DBLK_KERNELS(iq3s, 110, dec_iq3s, 0, DBLK_DOT1_DECODED)
+DBLK_KERNELS(iq1s, 50, dec_iq1s, 0, DBLK_DOT1_DECODED)
+DBLK_KERNELS(iq1m, 56, dec_iq1m, 0, DBLK_DOT1_DECODED)
 
 /* ---- 32-element types ---------------------------------------------------------------------- */
 static inline float e8m0_half(uint8_t e) {   /* 2^(e - 128): ggml's GGML_E8M0_TO_FP32_HALF */
