@@ -13,6 +13,8 @@ matrix). Each row: decode tok/s teacher-forced on random tokens after a prompt o
 prompt's prefill tok/s (MawForge in one chunk of the prompt's length, llama.cpp n_batch 512).
 Prints the table with each type's ratios and writes one JSON record (CPU, commit, command, quiet
 check before and after) to work/bench and, with --record, to benchmarks/records/.
+
+    python benchmarks/quant_types.py --report RECORD.json [...]   # the README's table from records
 """
 from __future__ import annotations
 
@@ -59,7 +61,26 @@ def quant_file(source: Path, name: str, layers: int) -> Path:
     return out
 
 
+def report(paths: list[Path], columns: int = 2) -> str:
+    """The Markdown table of records (later records' rows replace earlier ones of the same type):
+    decode and prefill ratios with each record's commit; `columns` types side by side (README)."""
+    rows: dict[str, dict] = {}
+    for path in paths:
+        rec = json.loads(Path(path).read_text())
+        for r in rec["rows"]:
+            rows[r["type"]] = {**r, "commit": rec["commit"], "cpu": rec["cpu"]}
+    f = lambda v: f"{v:.2f}x" if isinstance(v, (int, float)) else "-"
+    cells = [f"{t} ({r['experts']}) | {f(r['decode_tok_s_ratio'])} | {f(r['prefill_tok_s_ratio'])}"
+             for t, r in rows.items()]
+    cells += [" | | "] * (-len(cells) % columns)
+    per = len(cells) // columns
+    return "\n".join("| " + " | ".join(cells[i + per * c] for c in range(columns)) + " |" for i in range(per))
+
+
 def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--report":
+        print(report([Path(p) for p in sys.argv[2:]]))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--types", default=",".join(TYPES))
