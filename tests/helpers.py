@@ -102,3 +102,19 @@ def bench_module(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def scalar_build_gemms(tmp_path: Path, raw: dict, x: torch.Tensor, n: int, k: int) -> dict:
+    """native.gemm(x, raw[qt], qt, n, k) for every type of raw, computed by the portable C build
+    (MAWFORGE_NATIVE_MARCH=x86-64, no AVX2) in a child process with its own kernel cache."""
+    for qt, r in raw.items():
+        torch.save({"raw": r, "x": x}, tmp_path / f"{qt.name}.pt")
+    code = ("import sys, torch; from gguf import GGMLQuantizationType as T; from mawforge.kernels import native;"
+            "assert not native.simd();"
+            f"[torch.save(native.gemm(d['x'], d['raw'], T[n], {n}, {k}), sys.argv[1] + '/' + n + '.out')"
+            " for n in sys.argv[2:] for d in [torch.load(sys.argv[1] + '/' + n + '.pt')]]")
+    env = dict(os.environ, MAWFORGE_NATIVE_MARCH="x86-64", MAWFORGE_CACHE=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path), *[t.name for t in raw]],
+                       env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return {qt: torch.load(tmp_path / f"{qt.name}.out") for qt in raw}

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
 from helpers import C_COMPILER as C_COMPILER_PATH
-from helpers import needs_avx2, needs_cc
+from helpers import needs_avx2, needs_cc, scalar_build_gemms
 from mawforge.codecs import quants
 from mawforge.kernels import cpu, native, q8_0
 from bounds import (ACT_SCALE_REL, NATIVE_REORDER_ATOL_OF_MAX, NATIVE_REORDER_RTOL, Q8_ACTIVATION_REL,
@@ -151,19 +151,10 @@ def test_scalar_build_computes_the_same_integers(tmp_path):
     """The portable C path (no AVX2) runs the same integer arithmetic: identical up to float order."""
     raw = {qt: _random_rows(qt, 64, 512, seed=5) for qt in TYPES}
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(9))
-    for qt, r in raw.items():
-        torch.save({"raw": r, "x": x}, tmp_path / f"{qt.name}.pt")
-    code = ("import sys, torch; from gguf import GGMLQuantizationType as T; from mawforge.kernels import native;"
-            "assert not native.simd();"
-            "[torch.save(native.gemm(d['x'], d['raw'], T[n], 64, 512), sys.argv[1] + '/' + n + '.out')"
-            " for n in sys.argv[2:] for d in [torch.load(sys.argv[1] + '/' + n + '.pt')]]")
-    env = dict(os.environ, MAWFORGE_NATIVE_MARCH="x86-64", MAWFORGE_CACHE=str(tmp_path / "cache"))
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path), *[t.name for t in TYPES]],
-                       env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    scalars = scalar_build_gemms(tmp_path, raw, x, 64, 512)
     assert native.simd()
     for qt in TYPES:
-        scalar = torch.load(tmp_path / f"{qt.name}.out")
+        scalar = scalars[qt]
         simd = native.gemm(x, raw[qt], qt, 64, 512)
         torch.testing.assert_close(scalar, simd, rtol=NATIVE_REORDER_RTOL,
                                    atol=NATIVE_REORDER_RTOL * simd.abs().max().item())

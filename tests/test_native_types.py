@@ -2,7 +2,6 @@
 exact integer block products on x quantized to llama.cpp's vec_dot type, the same bits for a token
 alone or in a batch, the portable build's integers, ggml's own mul_mat on the same bytes, and the
 fused expert call and dense F16 / BF16 weights taking them."""
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
 from bounds import NATIVE_REORDER_ATOL_OF_MAX, NATIVE_REORDER_RTOL, Q8_ACTIVATION_REL
-from helpers import needs_avx2, needs_cc
+from helpers import needs_avx2, needs_cc, scalar_build_gemms
 from mawforge.codecs import quants
 from mawforge.kernels import cpu, native
 
@@ -136,18 +135,9 @@ def test_scalar_build_computes_the_same_integers(tmp_path):
     """The portable C path (no AVX2) runs the same integer arithmetic: identical up to float order."""
     raw = {qt: random_rows(qt, 32, 512, seed=5) for qt in TYPES}
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(9))
-    for qt, r in raw.items():
-        torch.save({"raw": r, "x": x}, tmp_path / f"{qt.name}.pt")
-    code = ("import sys, torch; from gguf import GGMLQuantizationType as T; from mawforge.kernels import native;"
-            "assert not native.simd();"
-            "[torch.save(native.gemm(d['x'], d['raw'], T[n], 32, 512), sys.argv[1] + '/' + n + '.out')"
-            " for n in sys.argv[2:] for d in [torch.load(sys.argv[1] + '/' + n + '.pt')]]")
-    env = dict(os.environ, MAWFORGE_NATIVE_MARCH="x86-64", MAWFORGE_CACHE=str(tmp_path / "cache"))
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path), *[t.name for t in TYPES]],
-                       env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
+    scalars = scalar_build_gemms(tmp_path, raw, x, 32, 512)
     for qt in TYPES:
-        scalar = torch.load(tmp_path / f"{qt.name}.out")
+        scalar = scalars[qt]
         simd = native.gemm(x, raw[qt], qt, 32, 512)
         torch.testing.assert_close(scalar, simd, rtol=NATIVE_REORDER_RTOL,
                                    atol=NATIVE_REORDER_RTOL * simd.abs().max().item())

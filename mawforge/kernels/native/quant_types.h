@@ -86,8 +86,8 @@ static void dec_q2k_c(const uint8_t *w, dblk *o) {
     o->d = f16(w + 80); o->dmin = f16(w + 82);
 }
 
-static void dec_q3k_c(const uint8_t *w, dblk *o) {
-    const uint8_t *hm = w, *qs = w + 32;
+/* Q3_K's sixteen 6-bit scales (12 bytes at 96), less 32 */
+static inline void s_q3k(const uint8_t *w, int8_t *ls) {
     uint32_t a[4];
     memcpy(a, w + 96, 12);
     const uint32_t tmp = a[2], m2 = 0x0f0f0f0f, m1 = 0x03030303;
@@ -96,7 +96,14 @@ static void dec_q3k_c(const uint8_t *w, dblk *o) {
     a[0] = (a[0] & m2) | (((tmp >> 0) & m1) << 4);
     a[1] = (a[1] & m2) | (((tmp >> 2) & m1) << 4);
     const int8_t *s = (const int8_t *)a;
-    for (int i = 0; i < 16; i++) o->sc[i] = (int16_t)(s[i] - 32);
+    for (int i = 0; i < 16; i++) ls[i] = (int8_t)(s[i] - 32);
+}
+
+static void dec_q3k_c(const uint8_t *w, dblk *o) {
+    const uint8_t *hm = w, *qs = w + 32;
+    int8_t ls[16];
+    s_q3k(w, ls);
+    for (int i = 0; i < 16; i++) o->sc[i] = ls[i];
     for (int k = 0; k < 2; k++)
         for (int j = 0; j < 4; j++) {
             const uint8_t m = (uint8_t)(1u << (4 * k + j));
@@ -244,17 +251,6 @@ FORCE_INLINE __m256i g_q3k(const uint8_t *w, int ib) {
                                                              _mm256_set1_epi8((char)(1 << ib))), _mm256_setzero_si256());
     return _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(q, 2 * j), _mm256_set1_epi8(3)),
                            _mm256_and_si256(clear, _mm256_set1_epi8(4)));
-}
-static inline void s_q3k(const uint8_t *w, int8_t *ls) {
-    uint32_t a[4];
-    memcpy(a, w + 96, 12);
-    const uint32_t tmp = a[2], m2 = 0x0f0f0f0f, m1 = 0x03030303;
-    a[2] = ((a[0] >> 4) & m2) | (((tmp >> 4) & m1) << 4);
-    a[3] = ((a[1] >> 4) & m2) | (((tmp >> 6) & m1) << 4);
-    a[0] = (a[0] & m2) | (((tmp >> 0) & m1) << 4);
-    a[1] = (a[1] & m2) | (((tmp >> 2) & m1) << 4);
-    const int8_t *s = (const int8_t *)a;
-    for (int i = 0; i < 16; i++) ls[i] = (int8_t)(s[i] - 32);
 }
 static inline float d_q3k(const uint8_t *w) { return f16(w + 108); }
 
@@ -623,6 +619,8 @@ static inline float e8m0_half(uint8_t e) {   /* 2^(e - 128): ggml's GGML_E8M0_TO
     uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
     float f; memcpy(&f, &bits, 4); return f;
 }
+static inline float d_f16at0(const uint8_t *w) { return f16(w); }
+static inline float d_e8m0(const uint8_t *w) { return e8m0_half(w[0]); }
 
 #ifdef __AVX2__
 static inline __m256i bits32(const uint8_t *qh) {       /* byte j: 0x10 where bit j of qh is set */
@@ -646,8 +644,6 @@ static inline __m256i v_iq4nl(const uint8_t *w) {
 static inline __m256i v_mxfp4(const uint8_t *w) {
     return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)KVALUES_MXFP4)), nibbles32(w + 1));
 }
-static inline float d_f16at0(const uint8_t *w) { return f16(w); }
-static inline float d_e8m0(const uint8_t *w) { return e8m0_half(w[0]); }
 
 /* R rows of x (1 or 4, a constant at each use) against one weight row of 32-element blocks: each
    block decoded once for the R; per row the one-row kernel's float operations in its order (one
@@ -707,43 +703,25 @@ static float dot_bf16(const uint8_t *w, int nb, qrow x) {
 static inline void nib32(const uint8_t *qs, int *v) { for (int j = 0; j < 16; j++) { v[j] = qs[j] & 0xF; v[j + 16] = qs[j] >> 4; } }
 static inline void hi32(const uint8_t *qh, int *v) { const uint32_t h = rd32(qh); for (int j = 0; j < 32; j++) v[j] |= ((h >> j) & 1) << 4; }
 static inline int idot32(const int *v, const int8_t *x) { int s = 0; for (int j = 0; j < 32; j++) s += v[j] * x[j]; return s; }
-static float dot_q41(const uint8_t *w, int nb, qrow x) {
-    float sum = 0.f; const float *s = (const float *)x.bs; int v[32];
-    for (int b = 0; b < nb; b++, w += 20) { nib32(w + 4, v); sum += f16(w) * x.d[b] * (float)idot32(v, x.q + b * Q80) + f16(w + 2) * s[b]; }
-    return sum;
+static inline void sv_q41(const uint8_t *w, int *v) { nib32(w + 4, v); }
+static inline void sv_q51(const uint8_t *w, int *v) { nib32(w + 8, v); hi32(w + 4, v); }
+static inline void sv_q50(const uint8_t *w, int *v) { nib32(w + 6, v); hi32(w + 2, v); for (int j = 0; j < 32; j++) v[j] -= 16; }
+static inline void sv_iq4nl(const uint8_t *w, int *v) { nib32(w + 2, v); for (int j = 0; j < 32; j++) v[j] = KVALUES_IQ4NL[v[j]]; }
+static inline void sv_mxfp4(const uint8_t *w, int *v) { nib32(w + 1, v); for (int j = 0; j < 32; j++) v[j] = KVALUES_MXFP4[v[j]]; }
+#define Q32_SCALAR(name, bytes, values, dscale, has_min)                                                \
+static float dot_##name(const uint8_t *w, int nb, qrow x) {                                           \
+    float sum = 0.f; const float *s = (const float *)x.bs; int v[32];                                  \
+    for (int b = 0; b < nb; b++, w += (bytes)) {                                                       \
+        values(w, v);                                                                                  \
+        sum += dscale(w) * x.d[b] * (float)idot32(v, x.q + b * Q80) + (has_min ? f16(w + 2) * s[b] : 0.f); \
+    }                                                                                                  \
+    return sum;                                                                                        \
 }
-static float dot_q51(const uint8_t *w, int nb, qrow x) {
-    float sum = 0.f; const float *s = (const float *)x.bs; int v[32];
-    for (int b = 0; b < nb; b++, w += 24) { nib32(w + 8, v); hi32(w + 4, v); sum += f16(w) * x.d[b] * (float)idot32(v, x.q + b * Q80) + f16(w + 2) * s[b]; }
-    return sum;
-}
-static float dot_q50(const uint8_t *w, int nb, qrow x) {
-    float sum = 0.f; int v[32];
-    for (int b = 0; b < nb; b++, w += 22) {
-        nib32(w + 6, v); hi32(w + 2, v);
-        for (int j = 0; j < 32; j++) v[j] -= 16;
-        sum += f16(w) * x.d[b] * (float)idot32(v, x.q + b * Q80);
-    }
-    return sum;
-}
-static float dot_iq4nl(const uint8_t *w, int nb, qrow x) {
-    float sum = 0.f; int v[32];
-    for (int b = 0; b < nb; b++, w += 18) {
-        nib32(w + 2, v);
-        for (int j = 0; j < 32; j++) v[j] = KVALUES_IQ4NL[v[j]];
-        sum += f16(w) * x.d[b] * (float)idot32(v, x.q + b * Q80);
-    }
-    return sum;
-}
-static float dot_mxfp4(const uint8_t *w, int nb, qrow x) {
-    float sum = 0.f; int v[32];
-    for (int b = 0; b < nb; b++, w += 17) {
-        nib32(w + 1, v);
-        for (int j = 0; j < 32; j++) v[j] = KVALUES_MXFP4[v[j]];
-        sum += e8m0_half(w[0]) * x.d[b] * (float)idot32(v, x.q + b * Q80);
-    }
-    return sum;
-}
+Q32_SCALAR(q41, 20, sv_q41, d_f16at0, 1)
+Q32_SCALAR(q51, 24, sv_q51, d_f16at0, 1)
+Q32_SCALAR(q50, 22, sv_q50, d_f16at0, 0)
+Q32_SCALAR(iq4nl, 18, sv_iq4nl, d_f16at0, 0)
+Q32_SCALAR(mxfp4, 17, sv_mxfp4, d_e8m0, 0)
 static float dot_f16(const uint8_t *w, int nb, qrow x) {
     const float *xf = (const float *)x.q; float sum = 0.f;
     for (int i = 0; i < 32 * nb; i++) sum += f16(w + 2 * i) * xf[i];
