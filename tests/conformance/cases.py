@@ -48,6 +48,12 @@ class Llama:
     # the self-check bounds above still apply unchanged. Measured mixtral Q4_K_M int4pack: 0.9467
     # on AMD Zen 3 (AVX2 llama.cpp build, 2026-12-01) where llama.cpp agrees with itself on 0.97.
     int4pack_slack: float = 0.02
+    # positions where llama.cpp's top-2 logits are closer than this are not counted against F16: both
+    # round x to float16, the native F16 kernel sums its products in another float32 order than
+    # ggml's (llamafile's tinyBLAS for a batch, 4 x 16 lanes for one row). Measured: max |logit diff|
+    # 1.7e-3 / 1.9e-3 at qwen2_moe's / mixtral's one flipped position of 300 (top-2 margins 8.9e-4 /
+    # 1.0e-3; qwen3_moe and olmoe agree at all 300); bound about 5x that.
+    tie_margin: float = 0.0
 
     def bound(self, layout: str) -> float:
         return self.min_top1 - (self.int4pack_slack if layout == "int4pack" else 0.0)
@@ -75,7 +81,7 @@ class ArchCase:
         return self.arch
 
 
-_BASE_LLAMA = (Llama("F32"), Llama("F16"), Llama("Q8_0", 0.95, self_check=True),
+_BASE_LLAMA = (Llama("F32"), Llama("F16", tie_margin=0.01), Llama("Q8_0", 0.95, self_check=True),
                Llama("Q4_K_M", 0.95, ("exact", "int4pack"), self_check=True))
 
 # Every other quant type llama.cpp's quantizer writes into MoE models (mawforge/fixtures/requant.py:

@@ -47,8 +47,9 @@ def test_llama_cpp_f32_logits_match_transformers(sources, case):
 def test_llama_cpp_agrees_teacher_forced(sources, case, check, layout):
     """Top-1 agreement with llama.cpp (the prompt in one batch) on the same GGUF.
 
-    F32 and F16 agree at every position (the F16 path rounds activations to float16 as llama.cpp
-    does). Quantized: the exact layout computes every quantized matmul bit-for-bit as ggml does
+    F32 agrees at every position; F16 at every position but near-ties, where llama.cpp's two best
+    logits are within Llama.tie_margin (both round activations to float16; the native F16 kernel
+    sums in another float32 order than ggml's). Quantized: the exact layout computes every quantized matmul bit-for-bit as ggml does
     (tests/test_native.py), but after the first float-order difference flips one q8 rounding the
     models drift apart by ~0.05 of logit, and random tiny models are full of near-ties. llama.cpp
     does not agree with itself more closely: its batched and one-token-at-a-time evaluations of
@@ -60,7 +61,12 @@ def test_llama_cpp_agrees_teacher_forced(sources, case, check, layout):
     got = logits(sources.pack(case, check.ftype, layout), tokens, budget="50", context=320, prefill_chunk=64).numpy()
     agree = got.argmax(-1) == ref.argmax(-1)
     print(f"{case.arch} {check.ftype} {layout}: top-1 agreement {agree.mean():.4f} over {len(tokens)} positions")
-    assert agree.mean() >= check.bound(layout)
+    top2 = np.sort(ref, -1)[:, -2:]
+    margin = top2[:, 1] - top2[:, 0]
+    for i in np.flatnonzero(~agree):
+        print(f"  position {i}: llama.cpp's top-2 margin {margin[i]:.2e}, max |diff| {np.abs(got[i] - ref[i]).max():.2e}")
+    # a near-tie (llama.cpp's two best within tie_margin) may flip with the float order alone
+    assert (agree | (margin < check.tie_margin)).mean() >= check.bound(layout)
     if check.self_check:
         seq = sources.llama(case, check.ftype, tokens, n_batch=1)
         own = (seq.argmax(-1) == ref.argmax(-1)).mean()

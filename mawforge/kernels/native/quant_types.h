@@ -231,6 +231,9 @@ static inline __m256i nibbles32(const uint8_t *qs) {   /* bytes 0-15 the low nib
     const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0xF));
 }
+#ifndef GRID_GATHER
+#define GRID_GATHER 1     /* codebook entries fetched by vpgatherdd / vpgatherdq (0: scalar loads and inserts) */
+#endif
 #define G4(t, a, b, c, d) _mm256_set_epi64x((long long)(t)[d], (long long)(t)[c], (long long)(t)[b], (long long)(t)[a])
 static inline void ls_pairs(int8_t *ls, int ib, int v) { ls[2 * ib] = ls[2 * ib + 1] = (int8_t)v; }
 static inline void ls_nibbles(const uint8_t *sc8, int8_t *ls) {   /* 2 * nibble + 1, low nibble first */
@@ -301,9 +304,13 @@ static inline float d_iq2s(const uint8_t *w) { return 0.125f * f16(w); }
 FORCE_INLINE __m256i g_iq3xxs(const uint8_t *w, int ib) {
     const uint8_t *q = w + 2 + 8 * ib;
     const uint32_t a = rd32(w + 66 + 4 * ib);
+#if GRID_GATHER
+    const __m256i g = _mm256_i32gather_epi32((const int *)IQ3XXS_GRID, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q)), 4);
+#else
     const __m256i g = _mm256_set_epi32((int)IQ3XXS_GRID[q[7]], (int)IQ3XXS_GRID[q[6]], (int)IQ3XXS_GRID[q[5]],
                                        (int)IQ3XXS_GRID[q[4]], (int)IQ3XXS_GRID[q[3]], (int)IQ3XXS_GRID[q[2]],
                                        (int)IQ3XXS_GRID[q[1]], (int)IQ3XXS_GRID[q[0]]);
+#endif
     return _mm256_sign_epi8(g, G4(KSIGNS8, a & 127, (a >> 7) & 127, (a >> 14) & 127, (a >> 21) & 127));
 }
 static inline void s_iq3xxs(const uint8_t *w, int8_t *ls) { for (int ib = 0; ib < 8; ib++) ls_pairs(ls, ib, 2 * (rd32(w + 66 + 4 * ib) >> 28) + 1); }
@@ -312,10 +319,17 @@ static inline float d_iq3xxs(const uint8_t *w) { return 0.25f * f16(w); }
 FORCE_INLINE __m256i g_iq3s(const uint8_t *w, int ib) {
     const uint8_t *q = w + 2 + 8 * ib;
     const int h = w[66 + ib];
+#if GRID_GATHER   /* lane i: q[i] | bit i of h at bit 8 */
+    const __m256i idx = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q)),
+                                        _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32(h), _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1)),
+                                                         _mm256_set1_epi32(256)));
+    const __m256i g = _mm256_i32gather_epi32((const int *)IQ3S_GRID, idx, 4);
+#else
     #define I3(l) (int)IQ3S_GRID[q[2 * (l)] | ((h << (8 - 2 * (l))) & 256)], \
                   (int)IQ3S_GRID[q[2 * (l) + 1] | ((h << (7 - 2 * (l))) & 256)]
     const __m256i g = _mm256_setr_epi32(I3(0), I3(1), I3(2), I3(3));
     #undef I3
+#endif
 
     return _mm256_sign_epi8(g, signs32(w + 74 + 4 * ib));
 }
@@ -329,8 +343,15 @@ static inline __m256i iq1_v(__m256i g, __m256i delta) { return _mm256_add_epi8(_
 FORCE_INLINE __m256i g_iq1s(const uint8_t *w, int ib) {
     const uint16_t qh = rd16(w + 34 + 2 * ib);
     const uint8_t *q = w + 2 + 4 * ib;
+#if GRID_GATHER   /* lane l: q[l] | ((qh >> 3 l) & 7) << 8 */
+    const __m128i idx = _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)rd32(q))),
+                                     _mm_slli_epi32(_mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(qh), _mm_setr_epi32(0, 3, 6, 9)),
+                                                                  _mm_set1_epi32(7)), 8));
+    return iq1_v(_mm256_i32gather_epi64((const long long *)IQ1S_GRID, idx, 8), _mm256_set1_epi8(qh & 0x8000 ? -1 : 1));
+#else
     return iq1_v(G4(IQ1S_GRID, q[0] | ((qh << 8) & 0x700), q[1] | ((qh << 5) & 0x700), q[2] | ((qh << 2) & 0x700),
                     q[3] | ((qh >> 1) & 0x700)), _mm256_set1_epi8(qh & 0x8000 ? -1 : 1));
+#endif
 }
 static inline void s_iq1s(const uint8_t *w, int8_t *ls) { for (int ib = 0; ib < 8; ib++) ls_pairs(ls, ib, 2 * ((rd16(w + 34 + 2 * ib) >> 12) & 7) + 1); }
 static inline float d_iq1s(const uint8_t *w) { return f16(w) * 0.125f; }
