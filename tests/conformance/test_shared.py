@@ -49,7 +49,8 @@ def test_llama_cpp_agrees_teacher_forced(sources, case, check, layout):
 
     F32 agrees at every position; F16 at every position but near-ties, where llama.cpp's two best
     logits are within Llama.tie_margin (both round activations to float16; the native F16 kernel
-    sums in another float32 order than ggml's). Quantized: the exact layout computes every quantized matmul bit-for-bit as ggml does
+    sums in another float32 order than ggml's). Quantized: the exact layout computes every quantized
+    matmul's integers as ggml does
     (tests/test_native.py), but after the first float-order difference flips one q8 rounding the
     models drift apart by ~0.05 of logit, and random tiny models are full of near-ties. llama.cpp
     does not agree with itself more closely: its batched and one-token-at-a-time evaluations of
@@ -64,7 +65,8 @@ def test_llama_cpp_agrees_teacher_forced(sources, case, check, layout):
     top2 = np.sort(ref, -1)[:, -2:]
     margin = top2[:, 1] - top2[:, 0]
     for i in np.flatnonzero(~agree):
-        print(f"  position {i}: llama.cpp's top-2 margin {margin[i]:.2e}, max |diff| {np.abs(got[i] - ref[i]).max():.2e}")
+        diff = np.abs(got[i] - ref[i]).max()
+        print(f"  position {i}: llama.cpp's top-2 margin {margin[i]:.2e}, max |diff| {diff:.2e}")
     # a near-tie (llama.cpp's two best within tie_margin) may flip with the float order alone
     assert (agree | (margin < check.tie_margin)).mean() >= check.bound(layout)
     if check.self_check:
