@@ -269,7 +269,8 @@ def test_user_mistakes_on_the_command_line_are_one_line(synth_gguf, good_pack, t
     nonpack = tmp_path / "stuff"
     nonpack.mkdir()
     (nonpack / "keep.txt").write_text("mine")
-    cases = [("verify", str(synth_gguf)), ("pack", str(synth_gguf), "-o", str(afile / "x.pack")),
+    # (verify of a GGUF checks its files since shards: tests/test_shards.py; a plain file is still a mistake)
+    cases = [("verify", str(afile)), ("pack", str(synth_gguf), "-o", str(afile / "x.pack")),
              ("pack", str(synth_gguf), "-o", str(afile), "--force"), ("inspect", str(afile)),
              ("verify", str(tmp_path / "missing")), ("pack", str(good_pack), "-o", str(tmp_path / "y")),
              ("pack", str(synth_gguf), "-o", str(nonpack), "--force"), ("inspect", str(good_pack / MANIFEST))]
