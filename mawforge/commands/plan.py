@@ -78,5 +78,5 @@ def main(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps({**plan.to_dict(), "fallback_tensors": fallback}, indent=1))
     else:
-        print(plan.table() + f"\nkernels  {fallback_line(fallback)}")
+        print(f"kernels: {fallback_line(fallback)}\n{plan.table()}")    # the decision stays the last line
     return 0 if plan.feasible else BudgetRejected.exit_code
