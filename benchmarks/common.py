@@ -174,26 +174,21 @@ def quiet(window_s: float = 1.0) -> dict:
     return {"loadavg": os.getloadavg(), "busy": busy}
 
 
-def cpu_model() -> str:
-    return next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+# (family, model) -> the name RESULTS.md uses; others print as family/model
+KNOWN_CPUS = {(25, 1): "AMD EPYC (Zen 3)", (25, 17): "AMD EPYC (Zen 4)", (26, 2): "AMD EPYC (Zen 5)",
+              (6, 143): "Intel Xeon (Sapphire Rapids)", (6, 207): "Intel Xeon (Emerald Rapids)"}
 
 
-def cpu_kind() -> str:
-    """family/model of this CPU in words (the VMs name every EPYC "AMD EPYC")"""
-    info = {}
-    for line in open("/proc/cpuinfo"):
-        if ":" in line:
-            k, v = (x.strip() for x in line.split(":", 1))
-            info.setdefault(k, v)
-        if not line.strip():
-            break
-    fam, mod = int(info.get("cpu family", 0)), int(info.get("model", 0))
-    if info.get("vendor_id") == "AuthenticAMD":
-        zen = {23: "Zen 1/2", 25: "Zen 3/4", 26: "Zen 5"}.get(fam, f"family {fam}")
-        if fam == 25:
-            zen = "Zen 4" if mod >= 0x10 else "Zen 3"
-        return f"AMD EPYC {zen} (family {fam} model {mod})"
-    return f"{cpu_model()} (family {fam} model {mod})"
+def cpu_kind(cpuinfo: str | None = None) -> dict:
+    """The CPU's vendor, family, model, name and AMX flag from /proc/cpuinfo's first processor."""
+    if cpuinfo is None:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    first = cpuinfo.split("\n\n", 1)[0]
+    f = {k.strip(): v.strip() for k, _, v in (ln.partition(":") for ln in first.splitlines()) if v}
+    fam, mod = int(f.get("cpu family", -1)), int(f.get("model", -1))
+    return {"family": fam, "model": mod, "model_name": f.get("model name", "?"),
+            "amx": "amx_tile" in f.get("flags", "").split(),
+            "kind": KNOWN_CPUS.get((fam, mod), f"{f.get('vendor_id', '?')} family {fam} model {mod}")}
 
 
 def commit() -> str:

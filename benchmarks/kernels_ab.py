@@ -42,10 +42,13 @@ def build(tree: Path, out: Path) -> ctypes.CDLL:
 
 
 def base_tree(rev: str, tmp: Path) -> Path:
-    for n in ("kquant_gemm.c", "decode_step.c"):
-        (tmp / SRC).mkdir(parents=True, exist_ok=True)
-        (tmp / SRC / n).write_bytes(subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{SRC}/{n}"],
-                                                   check=True, capture_output=True).stdout)
+    (tmp / SRC).mkdir(parents=True, exist_ok=True)
+    for n in ("kquant_gemm.c", "decode_step.c", "quant_types.h", "iq_tables.h"):   # the headers where rev has them
+        r = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{SRC}/{n}"], capture_output=True)
+        if r.returncode != 0 and n.endswith(".c"):
+            raise SystemExit(f"{rev} has no {SRC}/{n}: {r.stderr.decode()[-300:]}")
+        if r.returncode == 0:
+            (tmp / SRC / n).write_bytes(r.stdout)
     return tmp
 
 

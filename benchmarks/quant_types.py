@@ -97,7 +97,9 @@ def main() -> int:
     ctx = a.prompt_tokens + a.decode_tokens + 8
     common = ["--prompt-tokens", str(a.prompt_tokens), "--decode-tokens", str(a.decode_tokens),
               "--warmup", str(a.warmup), "--context", str(ctx)]
-    record = {"benchmark": "quant_types", "cpu": cpu_kind(), "machine": machine(), "commit": commit(),
+    cpu = cpu_kind()
+    record = {"benchmark": "quant_types", "cpu": cpu["kind"], "cpu_family_model": [cpu["family"], cpu["model"]],
+              "machine": machine(), "commit": commit(),
               "command": " ".join([os.path.basename(sys.executable), *sys.argv]), "threads": threads,
               "tokens": "random ids, decode teacher-forced", "quiet_before": quiet(), "rows": []}
     for name in a.types.split(","):
@@ -124,7 +126,8 @@ def main() -> int:
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                           if k not in ("llama", "mawforge")}), flush=True)
     record["quiet_after"] = quiet()
-    print(f"\n# quant types, {record['cpu']}, {threads} threads each, {a.layers} layers, commit {record['commit']}")
+    print(f"\n# quant types, {record['cpu']} (family {cpu['family']} model {cpu['model']}), {threads} threads each, "
+          f"{a.layers} layers, commit {record['commit']}")
     print(f"# quiet: load {record['quiet_before']['loadavg'][0]:.2f} before, {record['quiet_after']['loadavg'][0]:.2f}"
           f" after; other busy processes: {[b['name'] for b in record['quiet_before']['busy']]}")
     print(f"{'type':10s} {'experts':8s} {'GB':>6s} {'llama dec':>9s} {'maw dec':>8s} {'ratio':>6s} "

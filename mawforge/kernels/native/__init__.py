@@ -26,7 +26,7 @@ dot product in integers (kquant_gemm.c explains the arithmetic).
 The C sources are compiled on first use with the system's C compiler into a cache directory
 ($MAWFORGE_CACHE or ~/.cache/mawforge), keyed by the sources, the compiler flags, the compiler's
 version and this CPU's feature flags (so a library built on one CPU is never loaded on another),
-and loaded with ctypes. `-march=native` first (the AVX2 path where the CPU has it); if the
+and loaded with ctypes (build.py). `-march=native` first (the AVX2 path where the CPU has it); if the
 compiler rejects that, the portable `-march=x86-64` build (the same integer arithmetic in plain
 C). Where -march=native has AVX-512 BW + VNNI, the four-token K-quant kernels use vpdpwssd on
 512-bit registers (`vnni()`), with the AVX2 code's integer lanes, so the same bits. Every failed
@@ -37,12 +37,8 @@ the callers keep the torch dequantize-and-multiply path.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -51,14 +47,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from mawforge.codecs.native_types import NATIVE_TYPE_NAMES
+from mawforge.kernels.native.build import (BASE_FLAGS, HEADERS, MARCHES, SOURCES, _compile,  # noqa: F401
+                                           _report, cpu_flags)
 
-# every source compiled into the one library (the cache key covers all of them)
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("kquant_gemm.c", "decode_step.c", "reader.c"))
-# headers they include (in the cache key too)
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("quant_types.h", "iq_tables.h"))
-# MAWFORGE_NATIVE_MARCH=x86-64 builds the portable scalar path (tests compare the two)
-MARCHES = [os.environ["MAWFORGE_NATIVE_MARCH"]] if os.environ.get("MAWFORGE_NATIVE_MARCH") else ["native", "x86-64"]
-BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # every GGUF type the kernels compute on: the first five in kquant_gemm.c, the rest in quant_types.h
 Q8_K_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_XS, T.IQ3_XXS, T.IQ3_S, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S,
               T.IQ1_S, T.IQ1_M)
@@ -94,48 +85,6 @@ _SIGNATURES = (("qgemm", [_I, _P, _I, _I, _P, _I, _P]),
                ("decode_layer", [_P, _P, _P, _I, _P, _P, _P, _P, _P, _P]),
                ("decode_layer_rows", [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P]))
 _VOID = ("set_threads", "rms_norm_rows", "rope_rows", "kv_put", "route_topk", "route_topk_rows")
-
-
-def cpu_flags() -> str:
-    """The flags line of /proc/cpuinfo (empty where there is none)."""
-    try:
-        return next((l for l in open("/proc/cpuinfo") if l.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def _compiler_version(cc: str) -> str:
-    try:
-        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def _report(msg: str) -> None:
-    print(f"[mawforge] native kernels: {msg}", file=sys.stderr, flush=True)
-
-
-def _compile(cc: str, march: str, cache: Path) -> tuple[Path | None, str]:
-    """The cached library for this source, flags, compiler and CPU, compiled if missing.
-    Returns (path, "") or (None, the compiler's message)."""
-    flags = [*BASE_FLAGS, f"-march={march}"]
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in (*SOURCES, *HEADERS)) + " ".join(flags).encode()
-                         + _compiler_version(cc).encode()
-                         + cpu_flags().encode()).hexdigest()[:16]
-    lib = cache / f"kquant_gemm-{key}.so"
-    if lib.exists():
-        return lib, ""
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        out = Path(tmp) / lib.name
-        try:
-            r = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", str(out), "-lm"], capture_output=True, text=True)
-        except OSError as e:
-            return None, f"{cc}: {e}"
-        if r.returncode != 0:
-            return None, (r.stderr or r.stdout).strip()[-2000:]
-        os.replace(out, lib)       # atomic: a concurrent builder sees all or nothing
-    return lib, ""
 
 
 def _build() -> ctypes.CDLL | None:

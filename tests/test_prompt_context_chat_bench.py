@@ -1,4 +1,4 @@
-"""benchmarks/issue27.py, the run that puts a CPU kind on issue 27's record: it names the CPU by
+"""benchmarks/prompt_context_chat.py, the run that puts a CPU kind on the record: it names the CPU by
 family and model, finds each child's saved rows, and turns them into the issue's targets with a
 verdict each, taken from the benchmarks' own reports (nothing timed here)."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ GiB = 2 ** 30
 
 
 def test_the_cpu_is_named_by_family_and_model():
-    b = bench_module("issue27")
+    b = bench_module("prompt_context_chat")
     zen5 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n" \
            "flags\t\t: fpu avx512f\n\nprocessor\t: 1\ncpu family\t: 6\n"
     c = b.cpu_kind(zen5)
@@ -28,7 +28,7 @@ def test_the_cpu_is_named_by_family_and_model():
 
 
 def test_the_saved_rows_are_found_in_either_stream():
-    b = bench_module("issue27")
+    b = bench_module("prompt_context_chat")
     out = "saved /w/bench/long-prompt-1.json\n{\"x\": 1}\nsaved /w/bench/long-prompt-2.json\n"
     assert b.saved_path(out) == "/w/bench/long-prompt-2.json"
     assert b.saved_path("no rows were saved\n") is None
@@ -49,7 +49,7 @@ def _prompt_rows(maw_prefill, llama_prefill, maw_decode, llama_decode, ttft8):
 
 
 def test_prompt_targets_take_each_peer_and_only_the_longest_prompt_for_the_limited_ttft():
-    b = bench_module("issue27")
+    b = bench_module("prompt_context_chat")
     lines = b.prompt_verdicts(_prompt_rows(55.0, 50.0, 13.0, 10.0, 1.2))
     by = {x["what"]: x for x in lines}
     assert by["resident prefill, 2048 tokens / llama.cpp repack off"]["met"] is True
@@ -67,7 +67,7 @@ def test_prompt_targets_take_each_peer_and_only_the_longest_prompt_for_the_limit
 
 
 def test_context_targets_compare_like_caches_and_peak_rss_with_the_plan():
-    b = bench_module("issue27")
+    b = bench_module("prompt_context_chat")
     rows = []
     for e, tok_s, rss, f in (("maw", 6.0, 20, 27), ("maw-q8", 6.2, 19, 23), ("llama", 2.0, 22, None),
                              ("llama-q8", 0.8, 21, None), ("maw@8", 1.5, 7, 7.36), ("maw-q8@8", 2.5, 6, 7.36)):
@@ -84,7 +84,7 @@ def test_context_targets_compare_like_caches_and_peak_rss_with_the_plan():
 
 
 def test_conversation_targets_take_medians_over_rounds_and_the_worst_turn():
-    b = bench_module("issue27")
+    b = bench_module("prompt_context_chat")
 
     def row(config, engine, ttfts, status="ok"):
         return {"workload": "chat", "config": config, "engine": engine, "status": status,
@@ -102,18 +102,18 @@ def test_conversation_targets_take_medians_over_rounds_and_the_worst_turn():
 
 
 def test_the_table_names_the_cpu_and_a_busy_step_and_the_dry_run_lists_every_command():
-    b = bench_module("issue27")
+    b = bench_module("prompt_context_chat")
     cpu = b.cpu_kind("cpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n")
     lines = [b._line(5, "resident decode", 1.3, ">= 1.2", True), b._line(2, "prefill", None, ">= 1.0", None)]
     t = b.table(lines, {"prompt": {"quiet": {"quiet": False}}, "chat": {"quiet": {"quiet": True}}}, cpu)
     assert "AMD EPYC (Zen 5) (family 26 model 2" in t and "NOT QUIET at the start of: prompt" in t
     assert "| 5 | resident decode | 1.30 | >= 1.2 | **yes** |" in t and "| - | >= 1.0 | n/a |" in t
-    out = subprocess.run([sys.executable, str(BENCH / "issue27.py"), "--dry-run", "--rounds", "3"],
+    out = subprocess.run([sys.executable, str(BENCH / "prompt_context_chat.py"), "--dry-run", "--rounds", "3"],
                          capture_output=True, text=True, check=True).stdout
     steps = dict(ln.split(": ", 1) for ln in out.splitlines())
     assert list(steps) == ["attention", "prompt", "context", "chat", "chat0", "chat8"]
     assert "--rounds 3" in steps["prompt"] and "--warmup 20" in steps["context"] and "--limits 8" in steps["chat8"]
-    bad = subprocess.run([sys.executable, str(BENCH / "issue27.py"), "--steps", "prompt,nope", "--dry-run"],
+    bad = subprocess.run([sys.executable, str(BENCH / "prompt_context_chat.py"), "--steps", "prompt,nope", "--dry-run"],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown steps ['nope']" in bad.stderr
 
@@ -121,7 +121,7 @@ def test_the_table_names_the_cpu_and_a_busy_step_and_the_dry_run_lists_every_com
 def test_a_step_can_be_read_back_from_its_saved_rows(tmp_path):
     saved = tmp_path / "lp.json"
     saved.write_text(json.dumps({"rows": _prompt_rows(55.0, 50.0, 13.0, 10.0, 1.2)}))
-    p = subprocess.run([sys.executable, str(BENCH / "issue27.py"), "--steps", "prompt",
+    p = subprocess.run([sys.executable, str(BENCH / "prompt_context_chat.py"), "--steps", "prompt",
                         "--from-json", f"prompt={saved}", "--out", str(tmp_path / "v.json")],
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
@@ -130,7 +130,7 @@ def test_a_step_can_be_read_back_from_its_saved_rows(tmp_path):
 
 
 def test_the_limited_turns_are_held_to_the_resident_run_nearest_in_time():
-    b = bench_module("issue27")
+    b = bench_module("prompt_context_chat")
 
     def run(config, engine, ttfts):
         return {"rows": [{"workload": "agent", "config": config, "engine": engine, "status": "ok",

@@ -1,7 +1,7 @@
-"""Issue 27's measures in one run, each target beside its verdict (items 2-5): what a session
-runs once on a quiet machine to put a CPU kind on the record.
+"""Long prompts, long contexts and conversations against llama.cpp in one run, each target beside its
+verdict: what to run once on a quiet machine to put a CPU kind on the record.
 
-    python benchmarks/issue27.py [--steps attention,prompt,context,chat,chat0,chat8] [--rounds 2]
+    python benchmarks/prompt_context_chat.py [--steps attention,prompt,context,chat,chat0,chat8] [--rounds 2]
                                  [--context-decode 40 --context-warmup 20] [--dry-run]
 
 Each step is an existing benchmark run as a child, in this order (its rows saved under
@@ -26,7 +26,7 @@ off, each reported); inside 8 GiB the 2,048-token TTFT <= 1.5x resident and pref
 (item 5); decode at 4K / 16K / 32K >= 1.0x llama.cpp resident, resident and inside 8 GiB, peak
 RSS <= the plan's F; every resident conversation turn's TTFT <= 1.0x llama.cpp's, and inside
 8 GiB turns 2 on <= 1.5x MawForge's resident TTFT. Prints the table with the CPU's family and
-model, and saves it as work/bench/issue27-*.json.
+model, and saves it as work/bench/prompt_context_chat-*.json.
 """
 from __future__ import annotations
 
@@ -40,27 +40,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import PY, machine, save  # noqa: E402
+from common import PY, KNOWN_CPUS, cpu_kind, machine, save  # noqa: E402,F401
 
 HERE = Path(__file__).resolve().parent
 STEPS = ("attention", "prompt", "context", "chat", "chat0", "chat8")
-# (family, model) -> the name these sessions use; others print as family/model
-KNOWN_CPUS = {(25, 1): "AMD EPYC (Zen 3)", (25, 17): "AMD EPYC (Zen 4)", (26, 2): "AMD EPYC (Zen 5)",
-              (6, 143): "Intel Xeon (Sapphire Rapids)", (6, 207): "Intel Xeon (Emerald Rapids)"}
-
-
-def cpu_kind(cpuinfo: str | None = None) -> dict:
-    """The CPU's vendor, family, model, name and AMX flag from /proc/cpuinfo's first processor."""
-    if cpuinfo is None:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    first = cpuinfo.split("\n\n", 1)[0]
-    f = {k.strip(): v.strip() for k, _, v in (ln.partition(":") for ln in first.splitlines()) if v}
-    fam, mod = int(f.get("cpu family", -1)), int(f.get("model", -1))
-    return {"family": fam, "model": mod, "model_name": f.get("model name", "?"),
-            "amx": "amx_tile" in f.get("flags", "").split(),
-            "kind": KNOWN_CPUS.get((fam, mod), f"{f.get('vendor_id', '?')} family {fam} model {mod}")}
-
-
 def commands(a) -> dict[str, list[str]]:
     r = str(a.rounds)
     return {
@@ -214,7 +197,8 @@ def main() -> int:
     ap.add_argument("--wait-quiet", type=float, default=120, help="seconds to wait for a quiet machine per step")
     ap.add_argument("--from-json", nargs="*", default=[], metavar="STEP=PATH",
                     help="take a step's rows from a saved JSON instead of running it")
-    ap.add_argument("--out", type=Path, help="where the verdicts' JSON goes (default: work/bench/issue27-*.json)")
+    ap.add_argument("--out", type=Path,
+                    help="where the verdicts' JSON goes (default: work/bench/prompt_context_chat-*.json)")
     ap.add_argument("--dry-run", action="store_true", help="print the commands and stop")
     a = ap.parse_args()
     steps = [s for s in a.steps.split(",") if s]
@@ -254,7 +238,7 @@ def main() -> int:
     data = {"machine": machine(), "cpu": cpu, "steps": record, "verdicts": lines}
     if a.out:
         a.out.write_text(json.dumps(data, indent=1))
-    print(f"saved {a.out or save('issue27', data)}")
+    print(f"saved {a.out or save('prompt_context_chat', data)}")
     return 0 if all(x["met"] is not False for x in lines) else 1
 
 
