@@ -64,7 +64,8 @@ def _is_gguf_model(p: Path) -> bool:
 
 
 def _source_key(src: Path, layout: str) -> str:
-    """Which pack a source becomes: its resolved path, every file's size and mtime, the layout."""
+    """Which pack a source becomes: its resolved path, every file's size and mtime, the layout
+    (and whether it is packed in place)."""
     if _is_gguf_model(src):
         files = shard_paths(src)         # a shard set: every shard's size and mtime
         src = files[0]
@@ -78,9 +79,11 @@ def _source_key(src: Path, layout: str) -> str:
 
 
 def open_pack(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None, layout: str = "exact",
-              progress: bool = False) -> Path:
+              progress: bool = False, in_place: bool | None = None) -> Path:
     """The pack for `path`: the path itself when it is a pack, else the cached pack of that GGUF
-    file or HF directory, packed now if missing or if the source changed since."""
+    file or HF directory, packed now if missing or if the source changed since. A GGUF in the
+    exact layout is packed in place by default (in_place=None): the cached pack holds the common
+    tensors and the index, and reads the experts from the GGUF, so no second copy is made."""
     p = Path(path)
     if _is_pack(p):
         return p
@@ -94,10 +97,20 @@ def open_pack(path: str | os.PathLike, cache_dir: str | os.PathLike | None = Non
     if _is_gguf_model(p):          # a shard set is named by its model, however it was given
         first = shard_paths(p)[0]
         name = m["stem"] if (m := SHARD_RE.match(first.name)) else first.stem
-    out = out / f"{name}-{_source_key(p, layout)}"
+    default = in_place is None
+    if default:
+        in_place = _is_gguf_model(p) and layout == "exact"
+    out = out / f"{name}-{_source_key(p, layout + ('+in-place' if in_place else ''))}"
     if not _is_pack(out):
-        from mawforge.pack.packer import pack
-        pack(p, out, layout=layout, force=out.exists(), progress=progress)
+        from mawforge.pack.packer import InPlaceRefused, pack
+        try:
+            pack(p, out, layout=layout, force=out.exists(), progress=progress, in_place=in_place)
+        except InPlaceRefused:
+            if not default:
+                raise
+            out = out.with_name(f"{name}-{_source_key(p, layout)}")    # a type stored transcoded: a copy
+            if not _is_pack(out):
+                pack(p, out, layout=layout, force=out.exists(), progress=progress)
     return out
 
 

@@ -26,7 +26,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mawforge.byte_rules import KV_DTYPES, is_dense, kv_row_bytes, prompt_entry_bytes, round_page, state_bytes
+from mawforge.byte_rules import KV_DTYPES, is_dense, kv_row_bytes, prompt_entry_bytes, state_bytes
 from mawforge.errors import FormatError
 from mawforge.pack.manifest import read_index, read_manifest
 
@@ -111,7 +111,7 @@ class PackFacts:
         return cls(c.arch, c.n_layers, c.n_experts, c.top_k, c.hidden, c.n_heads, c.n_kv_heads,
                    c.head_dim, c.vocab, c.expert_ff, int(man.byte_totals["common_file"]),
                    emb.nbytes if emb else 0, dense,
-                   tuple(round_page(lb.block_nbytes) for lb in index.layers), all_f32, man.pack_digest,
+                   tuple(lb.slot_nbytes for lb in index.layers), all_f32, man.pack_digest,
                    tuple(c.args.kv_layers), dense_ff)
 
 

@@ -130,3 +130,57 @@ def test_cli_writes_file_and_report(tmp_path, monkeypatch):
     assert main(args) == 0
     assert (tmp_path / "c.gguf").stat().st_size > 0
     assert json.loads((tmp_path / "c.gguf.routing.json").read_text())["synth"]["skew"] == 0.8
+
+
+# ---------------------------------------------------------------- the gpt-oss shape
+
+OSS_SMALL = dict(layers=2, vocab=4096, hidden=256, n_head=8, n_head_kv=2, head_dim=32, n_expert=16,
+                 n_expert_used=4, expert_ff=128, sliding_window=8, shards=3)
+
+
+def test_gpt_oss_shape_is_a_shard_set_llama_cpp_and_mawforge_agree_on(tmp_path):
+    from mawforge.api import open_pack
+    from mawforge.engine.runtime import Runtime, RuntimeOptions
+    from mawforge.formats.source import open_source
+    from mawforge.synth.gptoss import OssSpec, plan, synth_gptoss
+    files = synth_gptoss(tmp_path / "oss.gguf", OssSpec(**OSS_SMALL), progress=False)
+    assert [f.name for f in files] == [f"oss-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    assert not list(tmp_path.glob(".*"))                        # the partial directory is gone
+    cfg = open_source(files[0]).config
+    assert (cfg.arch, cfg.n_layers, cfg.n_experts, cfg.top_k) == ("gpt-oss", 2, 16, 4)
+    assert cfg.extra["sliding_window"] == 8 and cfg.extra["layer_types"] == ["sliding", "full"]
+    types = {t.name: t.tensor_type for f in files for t in GGUFReader(f).tensors}
+    assert types["blk.1.ffn_down_exps.weight"] == Q.MXFP4 and types["blk.0.attn_q.weight"] == Q.Q8_0
+    assert types["blk.0.attn_sinks.weight"] == Q.F32 and len(types) == len(plan(OssSpec(**OSS_SMALL)))
+    toks = np.random.default_rng(1).integers(300, 3000, 40).tolist()
+    ref = llama_logits(files[0], toks, n_ctx=128)
+    rt = Runtime(open_pack(files[0], tmp_path / "packs"), RuntimeOptions(context=128, threads=1))
+    try:
+        got = rt.forward(toks, all_logits=True).float().numpy()
+    finally:
+        rt.close()
+    assert np.abs(ref - got).max() <= 0.01 * np.abs(ref).max()
+    assert (ref.argmax(-1) == got.argmax(-1)).mean() >= 0.95
+
+
+def test_gpt_oss_router_bias_follows_the_zipf_target():
+    from mawforge.synth.gptoss import OssSpec, _payload, plan
+    spec = OssSpec(**OSS_SMALL, skew=1.0)
+    t = next(t for t in plan(spec) if t.name == "blk.0.ffn_gate_inp.bias")
+    b = np.concatenate(list(_payload(spec, t))).view(np.float32)
+    noise = np.random.default_rng(5).standard_normal((20000, 16))
+    picked = np.argsort(-(b + noise), axis=1)[:, :4]
+    share = np.bincount(picked.ravel(), minlength=16) / 20000
+    want = np.sort(zipf_inclusion(16, 4, 1.0))[::-1]
+    assert np.abs(np.sort(share)[::-1] - want).max() < 0.05
+
+
+def test_gpt_oss_cli_and_bad_input(tmp_path):
+    from mawforge.errors import FormatError
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    with pytest.raises(FormatError, match="--shards is for --shape gpt-oss"):
+        main(p.parse_args(["-o", str(tmp_path / "x.gguf"), "--shards", "2"]))
+    with pytest.raises(FormatError, match="--shape gpt-oss takes"):
+        main(p.parse_args(["-o", str(tmp_path / "x.gguf"), "--shape", "gpt-oss", "--stickiness", "0.3"]))
+    assert not list(tmp_path.iterdir())

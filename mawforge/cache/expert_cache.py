@@ -23,7 +23,7 @@ from mawforge.cache.driver import RouteDriver
 from mawforge.cache.observer import CacheObserver
 from mawforge.cache.policies import make_policy
 from mawforge.cache.prefetchers import make_prefetcher
-from mawforge.cache.store import ExpertStore, SlotMemory, round_page
+from mawforge.cache.store import ExpertStore, SlotMemory
 from mawforge.codecs import quants
 from mawforge.pack.manifest import ExpertIndex
 
@@ -68,7 +68,7 @@ class ExpertCache:
         # what happens to the cache, told to every observer in order (CacheObserver): the route
         # trace recorder (--trace-out), the dashboard's request traces, speculation's route tap
         self.observers: list[CacheObserver] = [recorder] if recorder is not None else []
-        self.slot_bytes = [round_page(lb.block_nbytes) for lb in index.layers]
+        self.slot_bytes = [lb.slot_nbytes for lb in index.layers]
         self.minimum = check_capacity(capacity_bytes, self.slot_bytes, top_k)
         self.capacity = capacity_bytes
         self.core = CacheCore(capacity_bytes, make_policy(policy))

@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import torch
+import xxhash
 
 from mawforge.byte_rules import PAGE, round_page  # noqa: F401  (re-exported)
 from mawforge.errors import IntegrityError
@@ -158,10 +159,9 @@ class ReadPool:
             self._cv.notify()
         return fut
 
-    def submit_read(self, store: "ExpertStore", layer: int, expert: int, dst, off: int, length: int,
-                    demand: bool = False) -> Future:
+    def submit_read(self, store: "ExpertStore", layer: int, expert: int, dst, segs, demand: bool = False) -> Future:
         """A block read (NativeReadPool's entry point): `store.read_at` on a reader thread."""
-        return self.submit(store.read_at, layer, expert, dst, off, length, demand=demand)
+        return self.submit(store.read_at, layer, expert, dst, segs, demand=demand)
 
     def _work(self) -> None:
         while True:
@@ -227,7 +227,7 @@ class NativeRead:
             self._args = None                   # the slot's memory is not held past the read
             try:
                 if got < 0:
-                    raise OSError(-got, f"reading {store.path.name} at layer {layer} expert {expert}: "
+                    raise OSError(-got, f"reading layer {layer} expert {expert} from {store.path.name}: "
                                         f"{os.strerror(-got)}")
                 self._got = store.finish(layer, expert, dst, got)
             except BaseException as e:  # noqa: BLE001 - given to whoever takes the result
@@ -261,11 +261,11 @@ class NativeReadPool:
         if self._closed:
             raise OSError("the native read pool could not start its threads")
 
-    def submit_read(self, store: "ExpertStore", layer: int, expert: int, dst, off: int, length: int,
-                    demand: bool = False) -> NativeRead:
+    def submit_read(self, store: "ExpertStore", layer: int, expert: int, dst, segs, demand: bool = False) -> NativeRead:
         if self._closed:
             raise RuntimeError("read pool is shut down")
-        job = self.fns.submit(self.handle, store.fd, off, length, buffer_address(dst), int(demand))
+        flat = (ctypes.c_long * (6 * len(segs)))(*(v for seg in segs for v in seg))
+        job = self.fns.submit_segs(self.handle, len(segs), flat, buffer_address(dst), int(demand))
         if not job:
             raise MemoryError("the native read pool could not queue a read")
         return NativeRead(self, job, (store, layer, expert, dst))
@@ -282,69 +282,136 @@ class NativeReadPool:
         self.shutdown()
 
 
+def resolve_source(pack: Path, f) -> Path:
+    """Where an in-place pack's source file is now: beside the pack as it was when packed (so a
+    pack and its model moved together keep working), else where it was. A missing file or one of
+    another size is a one-line error naming it (edited, truncated, moved or deleted)."""
+    for p in (Path(os.path.normpath(Path(pack) / f.relpath)), Path(f.path)):
+        if p.is_file():
+            size = p.stat().st_size
+            if size != f.size:
+                raise IntegrityError(f"{p} has {size} bytes, {f.size} when {Path(pack).name} was packed in place "
+                                     "from it: the source changed; run `mawforge verify` or pack it again")
+            return p
+    raise IntegrityError(f"{f.name}, the source file of in-place pack {Path(pack).name}, is missing "
+                         f"(not at {f.path}): moved or deleted; put it back or pack again")
+
+
+def _open_direct(path: Path, direct: bool) -> tuple[int, bool]:
+    """An fd of path with O_DIRECT where asked and the filesystem takes it, else buffered."""
+    if direct and hasattr(os, "O_DIRECT"):
+        try:
+            dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            if _probe_direct(dfd):
+                return dfd, True
+            os.close(dfd)
+        except OSError:
+            pass          # tmpfs and some filesystems refuse O_DIRECT: buffered fallback
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    return fd, False
+
+
+def _probe_direct(fd: int) -> bool:
+    mm = mmap.mmap(-1, PAGE)
+    try:
+        return os.preadv(fd, [mm], 0) >= 0
+    except OSError:
+        return False
+    finally:
+        mm.close()
+
+
+def read_segments(segs, dst) -> int:
+    """The Python twin of reader.c's segment job: each (fd, off, len, dst_off, head, n) read and
+    its wanted bytes moved down to dst_off; returns the wanted bytes read."""
+    view, total = memoryview(dst).cast("B"), 0
+    for fd, off, length, at, head, n in segs:
+        got = os.preadv(fd, [view[at:at + length]], off)
+        got = max(0, min(got - head, n))
+        if head and got:
+            view[at:at + got] = bytes(view[at + head:at + head + got])
+        total += got
+        if got < n:
+            break
+    return total
+
+
 class ExpertStore:
+    """Reads expert blocks: from the pack's experts.pack, or, for an in-place pack, each tensor's
+    bytes from its source GGUF file (a page-aligned superset read with O_DIRECT, moved down to its
+    part's offset in the slot)."""
+
     def __init__(self, pack: Path, index: ExpertIndex, *, direct: bool = True,
                  check_digests: bool = True, threads: int = 4, native_reads: bool = True):
-        self.path = Path(pack) / EXPERTS
         self.index = index
         self.check_digests = check_digests
         self._verified: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
-        self.direct = False
-        self.fd = os.open(self.path, os.O_RDONLY)
-        if direct and hasattr(os, "O_DIRECT"):
-            try:
-                dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
-                if self._probe_direct(dfd):
-                    os.close(self.fd)
-                    self.fd, self.direct = dfd, True
-                else:
-                    os.close(dfd)
-            except OSError:
-                pass          # tmpfs and some filesystems refuse O_DIRECT: buffered fallback
-        if not self.direct:
-            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+        if index.in_place:
+            self.sources = [resolve_source(pack, f) for f in index.files]
+            self.path = self.sources[0]
+        else:
+            self.sources = [Path(pack) / EXPERTS]
+            self.path = self.sources[0]
+        opened = [_open_direct(p, direct) for p in self.sources]
+        self.fds = [fd for fd, _ in opened]
+        self.fd = self.fds[0]
+        self.direct = all(d for _, d in opened)
+        self._direct = [d for _, d in opened]
         fns = native.reader() if native_reads else None
         self.pool = NativeReadPool(fns, threads) if fns is not None else ReadPool(threads)
         self.bytes_read = 0
 
-    def _probe_direct(self, fd: int) -> bool:
-        mm = mmap.mmap(-1, PAGE)
-        try:
-            return os.preadv(fd, [mm], 0) >= 0
-        except OSError:
-            return False
-        finally:
-            mm.close()
+    def segments(self, layer: int, expert: int) -> list[tuple[int, int, int, int, int, int]]:
+        """The reads of block (layer, expert): (fd, off, len, dst_off, head, n) each, page-aligned
+        supersets on an O_DIRECT file."""
+        lb = self.index.layers[layer]
+        if not lb.sources:
+            n = lb.block_nbytes
+            return [(self.fd, lb.offsets[expert], round_page(n) if self.direct else n, 0, 0, n)]
+        segs = []
+        for t, r in zip(lb.tensors, lb.sources):
+            p = t.parts[0]
+            off, fd = r.offsets[expert], self.fds[r.file]
+            head = off % PAGE if self._direct[r.file] else 0
+            segs.append((fd, off - head, round_page(head + p.nbytes) if head or self._direct[r.file] else p.nbytes,
+                         p.offset, head, p.nbytes))
+        return segs
 
-    def read_into(self, layer: int, expert: int, dst: mmap.mmap) -> int:
-        """Read block (layer, expert) into dst (page-aligned, >= round_page(block)) on this thread."""
-        off, n, _ = self.index.block(layer, expert)
-        return self.read_at(layer, expert, dst, off, self._length(n))
+    def _logical(self, layer: int) -> int:
+        lb = self.index.layers[layer]
+        return sum(t.parts[0].nbytes for t in lb.tensors) if lb.sources else lb.block_nbytes
 
-    def read_at(self, layer: int, expert: int, dst, off: int, length: int) -> int:
-        """Read block (layer, expert), `length` bytes at `off`, into dst on this thread."""
-        return self.finish(layer, expert, dst, os.preadv(self.fd, [memoryview(dst)[:length]], off))
+    def read_into(self, layer: int, expert: int, dst) -> int:
+        """Read block (layer, expert) into dst (page-aligned, >= its slot) on this thread."""
+        return self.finish(layer, expert, dst, read_segments(self.segments(layer, expert), dst))
 
-    def _length(self, n: int) -> int:
-        return round_page(n) if self.direct else n
+    def read_at(self, layer: int, expert: int, dst, segs) -> int:
+        """Python reader threads' job: the block's segments read into dst, then checked."""
+        return self.finish(layer, expert, dst, read_segments(segs, dst))
 
     def submit(self, layer: int, expert: int, dst, demand: bool = False):
         """Read block (layer, expert) into dst on the pool's threads; a Future-like answer
         (`done`, `result`, `exception`) whose result is the block's bytes."""
-        off, n, _ = self.index.block(layer, expert)
-        return self.pool.submit_read(self, layer, expert, dst, off, self._length(n), demand=demand)
+        return self.pool.submit_read(self, layer, expert, dst, self.segments(layer, expert), demand=demand)
 
     def finish(self, layer: int, expert: int, dst, got: int) -> int:
-        """A read of `got` bytes into dst is done: check its length and, on its first read, the
-        block's digest; count it. Returns the block's bytes."""
-        off, n, want = self.index.block(layer, expert)
+        """A read of `got` wanted bytes into dst is done: check its length and, on its first read,
+        the block's digest; count it. Returns the block's bytes."""
+        lb = self.index.layers[layer]
+        n = self._logical(layer)
         if got < n:
-            raise IntegrityError(f"{self.path.name} is truncated at layer {layer} expert {expert}")
+            what = self.path.name if not lb.sources else self._files(lb)
+            raise IntegrityError(f"{what} is truncated at layer {layer} expert {expert}")
         if not self.direct:
-            os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_DONTNEED)
+            for fd, off, length, _, head, _ in self.segments(layer, expert):
+                os.posix_fadvise(fd, off, length, os.POSIX_FADV_DONTNEED)
         if self.check_digests and (layer, expert) not in self._verified:
-            if digest(memoryview(dst)[:n]) != want:
+            if self._digest(lb, dst) != lb.digests[expert]:
+                if lb.sources:
+                    raise IntegrityError(f"expert block layer {layer} expert {expert} differs from when it was packed: "
+                                         f"its source {self._files(lb)} changed; run `mawforge verify`")
                 raise IntegrityError(f"expert block layer {layer} expert {expert} is damaged "
                                      f"(digest mismatch); run `mawforge verify`")
             with self._lock:
@@ -352,6 +419,20 @@ class ExpertStore:
         with self._lock:
             self.bytes_read += n
         return n
+
+    @staticmethod
+    def _digest(lb, dst) -> str:
+        view = memoryview(dst).cast("B")
+        if not lb.sources:
+            return digest(view[:lb.block_nbytes])
+        h = xxhash.xxh3_128()
+        for t in lb.tensors:
+            p = t.parts[0]
+            h.update(view[p.offset:p.offset + p.nbytes])
+        return h.hexdigest()
+
+    def _files(self, lb) -> str:
+        return ", ".join(sorted({self.sources[r.file].name for r in lb.sources}))
 
     def read_many(self, jobs: list[tuple[int, int, mmap.mmap]]) -> None:
         """Read several blocks concurrently, ahead of any queued prefetch; re-raises the first error.
@@ -367,4 +448,5 @@ class ExpertStore:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
-        os.close(self.fd)
+        for fd in self.fds:
+            os.close(fd)

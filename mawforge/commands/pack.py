@@ -21,6 +21,9 @@ class Pack:
                        help="exact (default): keep the GGUF bytes, computed by the native kernels as "
                             "llama.cpp does; int4pack (old name: fast): transcode Q4/Q8 to torch's CPU "
                             "int4pack kernels, for machines without a C compiler")
+        p.add_argument("--in-place", action="store_true",
+                       help="no second copy: the pack holds the common tensors, the index and the digests, and "
+                            "reads expert blocks from the GGUF file(s) where they lie (keep them there)")
         p.add_argument("--force", action="store_true", help="replace an existing pack")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -29,10 +32,11 @@ class Pack:
         from mawforge.pack.inspect import gib
         from mawforge.pack.packer import pack
         m = pack(a.source, a.output, alignment=a.alignment, layout=a.layout, force=a.force,
-                 progress=not a.quiet and sys.stderr.isatty())
+                 progress=not a.quiet and sys.stderr.isatty(), in_place=a.in_place)
         b = m.byte_totals
+        where = f" read in place from {len(m.source['files'])} source file(s)" if a.in_place else ""
         print(f"packed {m.config.arch} into {a.output}: common {gib(b['common'])}, "
-              f"experts {gib(b['experts'])} in {b['expert_blocks']} blocks, digest {m.pack_digest}")
+              f"experts {gib(b['experts'])} in {b['expert_blocks']} blocks{where}, digest {m.pack_digest}")
         return 0
 
 

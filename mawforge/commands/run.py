@@ -49,11 +49,10 @@ def make_recorder(a: argparse.Namespace):
         return None
     from mawforge.pack.manifest import read_index, read_manifest
     from mawforge.trace.record import TraceRecorder
-    from mawforge.cache.store import round_page
     man, index = read_manifest(a.pack), read_index(a.pack)
     c = man.config
     return TraceRecorder(n_layers=c.n_layers, n_experts=c.n_experts, top_k=c.top_k,
-                         block_bytes=[round_page(lb.block_nbytes) for lb in index.layers],
+                         block_bytes=[lb.slot_nbytes for lb in index.layers],
                          model=c.arch, pack_digest=man.pack_digest)
 
 

@@ -132,15 +132,68 @@ class TensorRecord:
                    tuple(Part.from_dict(p, f"{what} part") for p in parts))
 
 
+PAGE = 4096
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """A source GGUF file an in-place pack reads its expert blocks from."""
+    name: str        # the file's name
+    path: str        # its absolute path when packed
+    relpath: str     # its path relative to the pack directory when packed (tried first)
+    size: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, what: str) -> "SourceFile":
+        d = _obj(d, what)
+        return cls(_str(d.get("name"), f"{what} name"), _str(d.get("path"), f"{what} path"),
+                   _str(d.get("relpath"), f"{what} relpath"), _int(d.get("size"), f"{what} size"))
+
+
+@dataclass(frozen=True)
+class SourceRange:
+    """Where one expert tensor of an in-place pack's layer lies: per expert, a byte offset in a
+    source file (the length is the tensor's part), and the digest of all its experts' bytes, in
+    order, so `verify` can name the tensor that changed."""
+    file: int
+    tensor: str
+    offsets: tuple[int, ...]
+    digest: str
+
+    def to_dict(self) -> dict:
+        return {"file": self.file, "tensor": self.tensor, "offsets": list(self.offsets), "digest": self.digest}
+
+    @classmethod
+    def from_dict(cls, d: dict, what: str, n_files: int) -> "SourceRange":
+        d = _obj(d, what)
+        return cls(_int(d.get("file"), f"{what} file", 0, max(n_files, 1)), _str(d.get("tensor"), f"{what} tensor"),
+                   tuple(_int(o, f"{what} offset") for o in _list(d.get("offsets"), f"{what} offsets")),
+                   _hex(d.get("digest"), f"{what} digest"))
+
+
 @dataclass(frozen=True)
 class LayerBlocks:
-    """All experts of one layer share a block template; each block has an offset and digest."""
+    """All experts of one layer share a block template; each block has an offset and digest.
+
+    In an in-place pack (`sources` set, one range per tensor) the blocks are not in experts.pack:
+    each tensor's bytes are read from its source file into the slot at its part's offset (every
+    part on a page boundary), and a block's digest covers its parts' bytes, not the gaps."""
     layer: int
     block_nbytes: int                     # logical bytes (padding excluded)
     tensors: tuple[TensorRecord, ...]     # part offsets relative to the block start
-    offsets: tuple[int, ...]              # per expert, absolute in experts.pack
+    offsets: tuple[int, ...]              # per expert, absolute in experts.pack (0 in place)
     digests: tuple[str, ...]              # per expert, xxh3-128 of the block's bytes
     tensors_digest: str = ""              # xxh3-128 of the template (format 2; "" in format 1)
+    sources: tuple[SourceRange, ...] = ()
+
+    @property
+    def slot_nbytes(self) -> int:
+        """Bytes of a slot holding one block: page-rounded, and in place one page more, which
+        the last tensor's page-aligned superset read runs into."""
+        return -(-self.block_nbytes // PAGE) * PAGE + (PAGE if self.sources else 0)
 
     def template(self) -> dict:
         return {"layer": self.layer, "block_nbytes": self.block_nbytes,
@@ -150,11 +203,14 @@ class LayerBlocks:
         return digest(canonical(self.template()))
 
     def to_dict(self) -> dict:
-        return {**self.template(), "tensors_digest": self.template_digest(),
-                "blocks": [[o, d] for o, d in zip(self.offsets, self.digests)]}
+        d = {**self.template(), "tensors_digest": self.template_digest(),
+             "blocks": [[o, d] for o, d in zip(self.offsets, self.digests)]}
+        if self.sources:
+            d["sources"] = [r.to_dict() for r in self.sources]
+        return d
 
     @classmethod
-    def from_dict(cls, d: dict, version: int = FORMAT_VERSION) -> "LayerBlocks":
+    def from_dict(cls, d: dict, version: int = FORMAT_VERSION, n_files: int = 0) -> "LayerBlocks":
         d = _obj(d, "layer entry")
         layer = _int(d.get("layer"), "layer", 0, 1 << 16)
         what = f"layer {layer}"
@@ -172,13 +228,31 @@ class LayerBlocks:
         offsets = tuple(_int(b[0], f"{what} block {i} offset") for i, b in enumerate(blocks))
         digests = tuple(_hex(b[1], f"{what} block {i} digest") for i, b in enumerate(blocks))
         td = _hex(d.get("tensors_digest"), f"{what} tensors_digest") if version >= 2 else ""
-        return cls(layer, size, tensors, offsets, digests, td)
+        sources = ()
+        if n_files:
+            sources = tuple(SourceRange.from_dict(r, f"{what} source", n_files)
+                            for r in _list(d.get("sources"), f"{what} sources"))
+            if len(sources) != len(tensors):
+                raise FormatError(f"{what}: {len(sources)} source ranges for {len(tensors)} tensors")
+            for t, r in zip(tensors, sources):
+                if len(t.parts) != 1 or t.parts[0].offset % PAGE:
+                    raise FormatError(f"{what} {t.name}: an in-place tensor is one page-aligned part")
+                if len(r.offsets) != len(offsets):
+                    raise FormatError(f"{what} {t.name}: {len(r.offsets)} source offsets for {len(offsets)} blocks")
+        elif "sources" in d:
+            raise FormatError(f"{what} has source ranges but the index names no source files")
+        return cls(layer, size, tensors, offsets, digests, td, sources)
 
 
 @dataclass(frozen=True)
 class ExpertIndex:
     alignment: int
     layers: tuple[LayerBlocks, ...]
+    files: tuple[SourceFile, ...] = ()    # in place: the source files the blocks are read from
+
+    @property
+    def in_place(self) -> bool:
+        return bool(self.files)
 
     def block(self, layer: int, expert: int) -> tuple[int, int, str]:
         lb = self.layers[layer]
@@ -195,9 +269,11 @@ class ExpertIndex:
         return sum(lb.block_nbytes * len(lb.offsets) for lb in self.layers)
 
     def to_json(self) -> str:
-        return json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION,
-                           "alignment": self.alignment,
-                           "layers": [lb.to_dict() for lb in self.layers]}, separators=(",", ":"))
+        d = {"format": FORMAT, "format_version": FORMAT_VERSION, "alignment": self.alignment,
+             "layers": [lb.to_dict() for lb in self.layers]}
+        if self.files:
+            d["source_files"] = [f.to_dict() for f in self.files]
+        return json.dumps(d, separators=(",", ":"))
 
 
 @dataclass(frozen=True)
@@ -299,10 +375,13 @@ def read_manifest(pack: Path) -> Manifest:
 
 def index_from_dict(d: dict, where: str) -> ExpertIndex:
     try:
-        layers = tuple(LayerBlocks.from_dict(x, d["format_version"]) for x in _list(d.get("layers"), "layers"))
+        files = tuple(SourceFile.from_dict(f, "source file")
+                      for f in _list(d.get("source_files", []), "source_files"))
+        layers = tuple(LayerBlocks.from_dict(x, d["format_version"], len(files))
+                       for x in _list(d.get("layers"), "layers"))
         if [lb.layer for lb in layers] != list(range(len(layers))):
             raise FormatError("layers must be listed in order 0, 1, 2, ...")
-        return ExpertIndex(_alignment(d.get("alignment")), layers)
+        return ExpertIndex(_alignment(d.get("alignment")), layers, files)
     except FormatError as e:
         raise FormatError(f"{where}: {e}") from None
 
@@ -326,4 +405,7 @@ def compute_pack_digest(config: dict, common: tuple[TensorRecord, ...], common_d
     if version >= 2:
         pd.update(canonical({"alignment": alignment, "layout": layout, "tokenizer": tokenizer_digests or {},
                              "layers": [[lb.template_digest(), list(lb.offsets)] for lb in index.layers]}))
+        if index.in_place:       # where the blocks are read from, so no edit of it passes verify
+            pd.update(canonical({"files": [f.to_dict() for f in index.files],
+                                 "sources": [[r.to_dict() for r in lb.sources] for lb in index.layers]}))
     return pd.hexdigest()

@@ -17,7 +17,7 @@ import queue
 import shutil
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -28,8 +28,9 @@ from mawforge.errors import FormatError, MawError, PackExists
 from mawforge.codecs import quants
 from mawforge.formats.source import ExpertTensor, Source, TensorInfo, open_source
 from mawforge.pack.directio import _ZEROS, Reader, Writer
-from mawforge.pack.manifest import (COMMON, EXPERTS, INDEX, MANIFEST, ExpertIndex, LayerBlocks,
-                                    Manifest, Part, TensorRecord, compute_pack_digest, digest, file_digest)
+from mawforge.pack.manifest import (COMMON, EXPERTS, INDEX, MANIFEST, PAGE, ExpertIndex, LayerBlocks, Manifest,
+                                    Part, SourceFile, SourceRange, TensorRecord, compute_pack_digest, digest,
+                                    file_digest)
 
 CHUNK = 32 << 20
 BATCH_BYTES = 16 << 20             # source bytes of experts read per batch (per layer)
@@ -85,9 +86,12 @@ class _Plan:
     experts_bytes: int
 
 
-def plan_pack(src: Source, alignment: int, layout: str) -> _Plan:
+def plan_pack(src: Source, alignment: int, layout: str, in_place: bool = False) -> _Plan:
+    """In place, every expert tensor is one part on a page boundary of the block (its bytes are
+    read from the source into the slot there) and no block has an offset in experts.pack."""
     if alignment < 4096 or alignment & (alignment - 1):
         raise FormatError(f"alignment must be a power of two of at least 4096, got {alignment}")
+    part_align = PAGE if in_place else PART_ALIGN
     common, off = [], 0
     for name in sorted(src.common):
         t = src.common[name]
@@ -103,14 +107,29 @@ def plan_pack(src: Source, alignment: int, layout: str) -> _Plan:
         recs, end = [], 0
         for et in ets:
             rec, end = _place(quants.choose_codec(et.qtype, layout, et.shape), et.qtype, et.shape, end,
-                              PART_ALIGN, et.kind)
+                              part_align, et.kind)
+            if in_place:
+                _check_in_place(src, et, rec)
             recs.append(rec)
-        stride = _round_up(end, alignment)
+        stride = 0 if in_place else _round_up(end, alignment)
         n = len(ets[0].pieces) if ets else 0      # dense layers (DeepSeek's first_k_dense) have no experts
         offsets = tuple(base + e * stride for e in range(n))
         layers.append((ets, LayerBlocks(layer, end, tuple(recs), offsets, ("",) * n)))
         base += n * stride
     return _Plan(common, layers, off, base)
+
+
+class InPlaceRefused(FormatError):
+    """A source whose experts cannot be read in place (checked before anything is written)."""
+
+
+def _check_in_place(src: Source, et: ExpertTensor, rec: TensorRecord) -> None:
+    what = f"--in-place: layer {et.layer} {et.kind} experts"
+    if not _byte_exact(rec.codec) or len(rec.parts) != 1:
+        raise InPlaceRefused(f"{what} ({et.qtype.name}) are stored transcoded ({rec.codec}), not as the source's "
+                          "bytes; in-place packs need --layout exact and a type the runtime reads as stored")
+    if len({p for p, _, _ in et.pieces}) != 1:
+        raise InPlaceRefused(f"{what} lie in several files; in-place packs need each expert tensor in one file")
 
 
 class _Progress:
@@ -213,8 +232,9 @@ def _reader(plan: _Plan, rd: Reader, q: queue.Queue, stop: threading.Event) -> N
         put(ex)
 
 
-def _write_experts(plan: _Plan, rd: Reader, out: Path, prog: _Progress) -> tuple[list[LayerBlocks], list]:
-    """Returns the layer records with digests, and per (layer, kind) source digests."""
+def _write_experts(plan: _Plan, rd: Reader, out: Path | None, prog: _Progress) -> tuple[list[LayerBlocks], dict]:
+    """Returns the layer records with digests, and per (layer, kind) source digests. With no
+    `out` (an in-place pack) nothing is written: each block's digest covers its parts' bytes."""
     src_hash = {(lb.layer, et.kind): xxhash.xxh3_128() for ets, lb in plan.layers for et in ets}
     digests: dict[int, list[str]] = {lb.layer: [] for _, lb in plan.layers}
     q: queue.Queue = queue.Queue(maxsize=QUEUE_BATCHES)
@@ -222,7 +242,7 @@ def _write_experts(plan: _Plan, rd: Reader, out: Path, prog: _Progress) -> tuple
     th = threading.Thread(target=_reader, args=(plan, rd, q, stop), daemon=True)
     th.start()
     by_layer = {lb.layer: (ets, lb) for ets, lb in plan.layers}
-    w = Writer(out)
+    w = Writer(out) if out is not None else None
     try:
         while True:
             item = q.get()
@@ -235,6 +255,13 @@ def _write_experts(plan: _Plan, rd: Reader, out: Path, prog: _Progress) -> tuple
             for i, e in enumerate(range(e0, e1)):
                 h = xxhash.xxh3_128()
                 base = lb.offsets[e]
+                if w is None:
+                    for et, raws in zip(ets, views):
+                        src_hash[(layer, et.kind)].update(raws[i])
+                        h.update(raws[i])
+                        prog.update(len(raws[i]))
+                    digests[layer].append(h.hexdigest())
+                    continue
                 w.pad_to(base)                      # the previous block's alignment padding
                 for et, rec, raws in zip(ets, lb.tensors, views):
                     raw = raws[i]
@@ -253,15 +280,34 @@ def _write_experts(plan: _Plan, rd: Reader, out: Path, prog: _Progress) -> tuple
             for b in bufs:
                 b.release()
     except BaseException:
-        w.abort()
+        if w is not None:
+            w.abort()
         raise
     finally:
         stop.set()
         th.join()
-    w.close(max(plan.experts_bytes, 1))
+    if w is not None:
+        w.close(max(plan.experts_bytes, 1))
     layers = [LayerBlocks(lb.layer, lb.block_nbytes, lb.tensors, lb.offsets, tuple(digests[lb.layer]))
               for _, lb in plan.layers]
-    return layers, [src_hash[k].hexdigest() for k in sorted(src_hash)]
+    return layers, {k: h.hexdigest() for k, h in src_hash.items()}
+
+
+def _in_place_index(plan: _Plan, src: Source, layers: list[LayerBlocks], src_digests: dict, out: Path,
+                    alignment: int) -> ExpertIndex:
+    """The index of an in-place pack: the source files and, per layer and tensor, where each
+    expert's bytes lie in them."""
+    files = list(src.files)
+    where = {f: i for i, f in enumerate(files)}
+    recs = tuple(SourceFile(f.name, str(f.resolve()), os.path.relpath(f.resolve(), out.resolve()),
+                            os.path.getsize(f)) for f in files)
+    done = []
+    for (ets, _), lb in zip(plan.layers, layers):
+        ranges = tuple(SourceRange(where[et.pieces[0][0]], f"blk.{et.layer}.ffn_{et.kind}_exps.weight",
+                                   tuple(off for _, off, _ in et.pieces), src_digests[(et.layer, et.kind)])
+                       for et in ets)
+        done.append(replace(lb, sources=ranges))
+    return ExpertIndex(alignment, tuple(done), recs)
 
 
 def _tokenizer(src: Source, tmp: Path) -> dict:
@@ -279,12 +325,17 @@ def _tokenizer(src: Source, tmp: Path) -> dict:
 
 
 def pack(source: str | os.PathLike, out: str | os.PathLike, *, alignment: int = 65536,
-         layout: str = "exact", force: bool = False, progress: bool = True) -> Manifest:
+         layout: str = "exact", force: bool = False, progress: bool = True, in_place: bool = False) -> Manifest:
+    """in_place: write no experts.pack; the index points at the expert bytes in the source GGUF
+    files (which must stay where and as they are; `verify` and every first read check them)."""
     out = Path(out)
     layout = quants.pack_layout(layout)
     _check_output(out, force)
     src = open_source(source)
-    plan = plan_pack(src, alignment, layout)
+    if in_place and src.kind != "gguf":
+        raise InPlaceRefused(f"{source}: --in-place packs a GGUF file or shard set (a Hugging Face directory's "
+                          "experts are stored per expert, in another order)")
+    plan = plan_pack(src, alignment, layout, in_place)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     if tmp.exists():
@@ -298,13 +349,15 @@ def pack(source: str | os.PathLike, out: str | os.PathLike, *, alignment: int = 
         meta_hash = xxhash.xxh3_128(json.dumps(src.metadata, sort_keys=True, default=str).encode())
         common_hasher = xxhash.xxh3_128()
         common_digests = _write_common(plan, files, tmp / COMMON, common_hasher, prog)
-        layers, expert_src = _write_experts(plan, files, tmp / EXPERTS, prog)
-        index = ExpertIndex(alignment, tuple(layers))
+        layers, expert_src = _write_experts(plan, files, None if in_place else tmp / EXPERTS, prog)
+        index = (_in_place_index(plan, src, layers, expert_src, out, alignment) if in_place
+                 else ExpertIndex(alignment, tuple(layers)))
         index_json = index.to_json()
         (tmp / INDEX).write_text(index_json)
         tok = _tokenizer(src, tmp)
         source_digest = xxhash.xxh3_128_hexdigest(
-            (meta_hash.hexdigest() + common_hasher.hexdigest() + "".join(expert_src)).encode())
+            (meta_hash.hexdigest() + common_hasher.hexdigest()
+             + "".join(expert_src[k] for k in sorted(expert_src))).encode())
         manifest = _manifest(src, plan, index, common_digests, tok, source_digest, alignment, layout,
                              digest(index_json.encode()))
         (tmp / MANIFEST).write_text(manifest.to_json())
@@ -356,7 +409,8 @@ def _manifest(src, plan, index, common_digests, tok, source_digest, alignment, l
               "common_file": plan.common_bytes, "experts_file": plan.experts_bytes}
     pack_digest = compute_pack_digest(src.config.to_dict(), common, common_digests, index, alignment=alignment,
                                       layout=layout, tokenizer_digests=tok["digests"])
-    ident = dict(src.identity(), digest=source_digest, digest_kind="xxh3-128 over metadata and every tensor's bytes")
+    ident = dict(src.identity(), digest=source_digest, digest_kind="xxh3-128 over metadata and every tensor's bytes",
+                 in_place=index.in_place)
     return Manifest(src.config, ident, pack_digest, alignment, layout, tf, totals, common,
                     common_digests, {**tok, "created_by": f"mawforge {__version__}"}, index_digest=index_digest)
 

@@ -2,6 +2,7 @@
 pick per tensor role: what `mawforge synth` writes its quantized tensors with."""
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import numpy as np
@@ -106,6 +107,15 @@ class _Q6_K(Blocks, qtype=Q.Q6_K):  # 128 ql + 64 qh + 16 int8 scales + f16 d; w
 
 
 # ---------------------------------------------------------------- quant mixes
+
+class _MXFP4(Blocks, qtype=Q.MXFP4):  # E8M0 scale e, 16 bytes of FP4 (E2M1) nibbles; w = kvalue * 2^(e-128)
+    KVALUE_RMS = math.sqrt(548 / 16)   # ggml's kvalues_mxfp4 (doubled E2M1: 0 1 2 3 4 6 8 12, signed), uniform codes
+
+    def encode(self, rng, rows, cols, std, mean=None):
+        nb = rows * cols // 32
+        e = np.uint8(np.clip(round(128 + math.log2(std / self.KVALUE_RMS)), 1, 254))
+        return np.hstack([np.full((nb, 1), e, np.uint8), _bytes(rng, nb, 16)]).reshape(rows, -1)
+
 
 def use_more_bits(i: int, n: int) -> bool:
     """llama.cpp's rule for the layers that get more bits in *_K_M mixes."""

@@ -137,6 +137,7 @@ class Reader:
         quick = ctypes.PyDLL(lib._name)
         L = ctypes.c_long
         for dll, name, args, res in ((lib, "rp_create", [_I], _P), (quick, "rp_submit", [_P, _I, L, L, _P, _I], _P),
+                                     (quick, "rp_submit_segs", [_P, _I, ctypes.POINTER(L), _P, _I], _P),
                                      (quick, "rp_done", [_P], _I), (lib, "rp_wait", [_P, _P], L),
                                      (quick, "rp_free", [_P], None), (lib, "rp_destroy", [_P], None)):
             f = getattr(dll, name)

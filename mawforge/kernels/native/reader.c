@@ -11,17 +11,32 @@
 
    Two queues, as the Python pool had: demand reads (a miss the compute waits for) are taken
    before any queued prefetch. A job is a heap object the caller owns from rp_submit until
-   rp_free (after rp_wait, or after rp_destroy has drained the queues). */
+   rp_free (after rp_wait, or after rp_destroy has drained the queues).
+
+   A job of segments (rp_submit_segs) reads an in-place pack's block: each tensor's bytes lie at
+   an unaligned offset of a source GGUF, so each is read as its page-aligned superset into the
+   slot and moved down over its `head` bytes (memmove), one segment after the other (a segment's
+   superset may run over the next segment's room, which is read after it). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
+
+#define RP_MAX_SEGS 8
+
+typedef struct {
+    int fd;
+    long off, len;      /* the pread: len bytes at off (page-aligned for O_DIRECT) */
+    long dst_off;       /* where in dst it lands */
+    long head, n;       /* the wanted bytes are [head, head + n) of what was read */
+} rp_seg;
 
 typedef struct rp_job {
     struct rp_job *next;
-    int fd;
-    long off, len;
+    int nseg;
+    rp_seg seg[RP_MAX_SEGS];
     unsigned char *dst;
     long got;          /* bytes read (a short count at end of file), valid once done */
     int err;           /* errno of a failed read, 0 if none */
@@ -36,20 +51,39 @@ typedef struct {
     pthread_t threads[64];
 } rp_pool;
 
-static void job_read(rp_job *j) {
+/* Bytes read of one segment (its wanted bytes moved to dst_off), or -errno. */
+static long seg_read(const rp_seg *s, unsigned char *dst) {
     long done = 0;
-    int err = 0;
-    while (done < j->len) {
-        ssize_t r = pread(j->fd, j->dst + done, (size_t)(j->len - done), (off_t)(j->off + done));
+    unsigned char *to = dst + s->dst_off;
+    while (done < s->len) {
+        ssize_t r = pread(s->fd, to + done, (size_t)(s->len - done), (off_t)(s->off + done));
         if (r < 0) {
             if (errno == EINTR) continue;
-            err = errno;
-            break;
+            return -(long)errno;
         }
         if (r == 0) break;      /* end of file */
         done += r;
     }
-    j->got = done;
+    long got = done - s->head;
+    if (got < 0) got = 0;
+    if (got > s->n) got = s->n;
+    if (s->head && got > 0) memmove(to, to + s->head, (size_t)got);
+    return got;
+}
+
+static void job_read(rp_job *j) {
+    long total = 0;
+    int err = 0;
+    for (int i = 0; i < j->nseg; i++) {
+        long got = seg_read(&j->seg[i], j->dst);
+        if (got < 0) {
+            err = (int)-got;
+            break;
+        }
+        total += got;
+        if (got < j->seg[i].n) break;    /* short: the caller sees the count */
+    }
+    j->got = total;
     j->err = err;
 }
 
@@ -103,15 +137,34 @@ void *rp_create(int threads) {
     return p;
 }
 
+static void *enqueue(rp_pool *p, rp_job *j, int demand);
+
 /* Queue a read; NULL when out of memory or the pool is closed. */
 void *rp_submit(void *pool, int fd, long off, long len, void *dst, int demand) {
-    rp_pool *p = (rp_pool *)pool;
     rp_job *j = calloc(1, sizeof *j);
     if (!j) return NULL;
-    j->fd = fd;
-    j->off = off;
-    j->len = len;
+    j->nseg = 1;
+    j->seg[0] = (rp_seg){fd, off, len, 0, 0, len};
     j->dst = (unsigned char *)dst;
+    return enqueue((rp_pool *)pool, j, demand);
+}
+
+/* Queue a read of `nseg` segments, six longs each in `segs`: fd, off, len, dst_off, head, n.
+   The job's result is the sum of the wanted bytes read (short where a file ended early). */
+void *rp_submit_segs(void *pool, int nseg, const long *segs, void *dst, int demand) {
+    if (nseg < 1 || nseg > RP_MAX_SEGS) return NULL;
+    rp_job *j = calloc(1, sizeof *j);
+    if (!j) return NULL;
+    j->nseg = nseg;
+    for (int i = 0; i < nseg; i++) {
+        const long *s = segs + 6 * i;
+        j->seg[i] = (rp_seg){(int)s[0], s[1], s[2], s[3], s[4], s[5]};
+    }
+    j->dst = (unsigned char *)dst;
+    return enqueue((rp_pool *)pool, j, demand);
+}
+
+static void *enqueue(rp_pool *p, rp_job *j, int demand) {
     pthread_mutex_lock(&p->mu);
     if (p->closed) {
         pthread_mutex_unlock(&p->mu);
