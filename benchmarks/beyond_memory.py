@@ -5,6 +5,11 @@ load) on the same files in the same run, alternating the engines at each limit.
 
     python benchmarks/beyond_memory.py [--model FIRST_SHARD] [--limits none,16,8] [--record]
 
+llama.cpp's default load repacks weights for its CPU kernels into anonymous memory; on a model larger
+than the machine that allocation fails (for this file: a 58 GB CPU_REPACK buffer), so the first row
+tries it once and the llama.cpp rows after it load with repack off, which maps the files (mmap)
+and reads experts as page faults.
+
 Each row is one child process on a dropped page cache: a 512-token prompt of random ids (its
 prefill time is the first-token time), then teacher-forced decode of random ids (the first
 --warmup steps untimed). "none" gives MawForge a budget of the machine's memory less a margin
@@ -73,12 +78,20 @@ def main() -> int:
               "tokens": "random ids: a prompt, then decode teacher-forced", "quiet_before": quiet(), "rows": []}
     print(f"# {first.name}: {len(files)} files, {size / 1e9:.1f} GB; {cpu['kind']}", flush=True)
     engines = a.engines.split(",")
+    if "llama" in engines:       # llama.cpp's default load, once: does it load at all?
+        r = worker_row(DECODE, ["llama", "--model", str(first), "--context", str(a.prompt_tokens + 64),
+                                "--prompt-tokens", str(a.prompt_tokens), "--decode-tokens", str(a.llama_decode_tokens),
+                                "--warmup", "1"], None, timeout=a.timeout)
+        r.update(engine="llama.cpp default (repack on)", limit="none")
+        r.pop("cgroup", None)
+        record["rows"].append(r)
+        print(json.dumps({k: v for k, v in r.items() if k != "stderr_tail"}), flush=True)
     for i, lim in enumerate(a.limits.split(",")):
         limit = None if lim == "none" else int(float(lim) * GiB)
         order = engines if i % 2 == 0 else engines[::-1]        # alternate which engine goes first
         for eng in order:
             if eng == "llama":
-                args = ["llama", "--model", str(first), "--context", str(a.prompt_tokens + 64),
+                args = ["llama", "--no-repack", "--model", str(first), "--context", str(a.prompt_tokens + 64),
                         "--prompt-tokens", str(a.prompt_tokens), "--decode-tokens", str(a.llama_decode_tokens),
                         "--warmup", "1"]
             else:
@@ -88,7 +101,7 @@ def main() -> int:
                         "--prompt-tokens", str(a.prompt_tokens), "--decode-tokens", str(a.decode_tokens),
                         "--warmup", str(a.warmup)]
             r = worker_row(DECODE, args, limit, timeout=a.timeout)
-            r.update(engine="llama.cpp mmap" if eng == "llama" else "mawforge in place", limit=lim)
+            r.update(engine="llama.cpp mmap (repack off)" if eng == "llama" else "mawforge in place", limit=lim)
             r.pop("cgroup", None)
             record["rows"].append(r)
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
@@ -105,6 +118,14 @@ def main() -> int:
     return 0
 
 
+def _why(r: dict) -> str:
+    """A failed row's status, with llama.cpp's reason where its stderr gave one."""
+    if "Failed to load model" in r.get("stderr_tail", ""):
+        return "does not load" + (" (llama.cpp: unable to allocate CPU_REPACK buffer)"
+                                  if r["engine"].startswith("llama.cpp default") else "")
+    return r["status"]
+
+
 def report(record: dict) -> str:
     """The Markdown table of one record: per limit, each engine's first token, decode, and the ratio."""
     lines = ["| memory | engine | first token (512-token prompt) s | decode tok/s | hit rate | read/token "
@@ -114,17 +135,18 @@ def report(record: dict) -> str:
     for r in record["rows"]:
         by.setdefault(r["limit"], {})[r["engine"]] = r
     for lim, rows in by.items():
-        ll = rows.get("llama.cpp mmap", {}).get("decode_tok_s")
+        ll = rows.get("llama.cpp mmap (repack off)", {}).get("decode_tok_s")
         for eng, r in rows.items():
             name = "whole machine" if lim == "none" else f"{lim} GiB cgroup"
             dec = r.get("decode_tok_s")
-            ratio = f"{dec / ll:.1f}x" if (eng != "llama.cpp mmap" and dec and ll) else ""
+            ratio = f"{dec / ll:.1f}x" if (eng == "mawforge in place" and dec and ll) else ""
             hit = f"{r['hit_rate'] * 100:.1f}%" if "hit_rate" in r else ""
-            rd = f"{r['materialized_bytes_per_token'] / 1e6:.0f} MB" if "materialized_bytes_per_token" in r else ""
+            key = "read_bytes_per_token" if "read_bytes_per_token" in r else "materialized_bytes_per_token"
+            rd = f"{r[key] / 1e6:.0f} MB" if key in r else ""
             rss = f"{r['peak_rss_bytes'] / GiB:.2f}"
             if "planned_F" in r:
                 rss += f" ({r['planned_F'] / GiB:.2f})"
-            last = ratio if eng != "llama.cpp mmap" else ("" if r["status"] == "ok" else r["status"])
+            last = ratio if eng == "mawforge in place" else ("" if r["status"] == "ok" else _why(r))
             ttft = r.get("ttft_s")
             lines.append(f"| {name} | {eng} | {'' if ttft is None else f'{ttft:.1f}'} | "
                          f"{'' if dec is None else f'{dec:.3f}'} | {hit} | {rd} | {rss} | {last} |")

@@ -151,7 +151,7 @@ def renderer(pack: Path, template: Path):
     from mawforge.text.chat import ChatTemplate
     from mawforge.text.tokenizer import load_tokenizer
     from mawforge.pack.manifest import read_manifest
-    from mawforge.serve.chatreq import ChatDefaults, ChatFront, parse_chat_options
+    from mawforge.front.chatreq import ChatDefaults, ChatFront, parse_chat_options
     tok = load_tokenizer(pack, read_manifest(pack).tokenizer)
     front = ChatFront(ChatTemplate(template.read_text(), tok.chat.bos, tok.chat.eos), ChatDefaults())
 

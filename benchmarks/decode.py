@@ -70,10 +70,10 @@ def work_maw(a) -> dict:
     t0 = time.perf_counter()
     rt.forward(prompt)
     prefill = time.perf_counter() - t0
-    times, s_warm = [], None
+    times, s_warm, read_warm = [], None, 0
     for i, t in enumerate(dec):
         if i == a.warmup:
-            s_warm = rt.cache.stats()
+            s_warm, read_warm = rt.cache.stats(), rt.store.bytes_read
         t0 = time.perf_counter()
         rt.forward([t], kind="decode")
         times.append(time.perf_counter() - t0)
@@ -83,6 +83,7 @@ def work_maw(a) -> dict:
     return {"load_s": load, "prefill_tok_s": len(prompt) / prefill, "ttft_s": prefill,
             "decode_tok_s": len(warm) / sum(warm), "hit_rate": hits / max(1, hits + misses),
             "materialized_bytes_per_token": (s1["materialized_bytes"] - s_warm["materialized_bytes"]) / len(warm),
+            "read_bytes_per_token": (rt.store.bytes_read - read_warm) / len(warm),   # demand and prefetch
             "prefill_materialized_bytes": s_warm["materialized_bytes"] - s0["materialized_bytes"],
             "materialize_gb_s": s1["demand_loaded_bytes"] / max(1e-9, s1["load_seconds"]) / 1e9,
             "expert_cache_bytes": rt.plan.E, "planned_F": rt.plan.F, "cache_percent": rt.plan.cache_percent,

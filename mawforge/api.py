@@ -263,7 +263,7 @@ class Model:
             if ev.token is not None:
                 toks.append(ev.token)
             last = ev
-        from mawforge.serve.chatreq import shape_choice
+        from mawforge.front.chatreq import shape_choice
         choice: dict = {}
         shape_choice(choice, turn.parser, texts, last.finish_reason)
         return ChatReply(choice["message"], choice["finish_reason"], last.telemetry, toks)
@@ -271,10 +271,10 @@ class Model:
     def chat_turn(self, messages: Sequence[dict], *, tools: list | None = None, tool_choice=None,
                   response_format: dict | None = None, chat_template_kwargs: dict | None = None,
                   reasoning_format: str | None = None):
-        """The rendered prompt and output parser of a chat turn (serve/chatreq.py Turn)."""
+        """The rendered prompt and output parser of a chat turn (front/chatreq.py Turn)."""
         self._check_open()
-        from mawforge.serve.chatreq import parse_chat_options
-        from mawforge.serve.protocol import ApiError
+        from mawforge.front.chatreq import parse_chat_options
+        from mawforge.front.protocol import ApiError
         body = {"tools": tools, "tool_choice": tool_choice, "chat_template_kwargs": chat_template_kwargs,
                 "reasoning_format": reasoning_format, "response_format": response_format}
         try:
@@ -333,11 +333,11 @@ class Model:
         return {**m, "content": "" if m.get("content") is None else m["content"]}
 
     def _processors(self, response_format: dict | None, turn) -> tuple:
-        """The request's constraint, as the server builds it (serve/structured.py)."""
+        """The request's constraint, as the server builds it (front/structured.py)."""
         if response_format is None and (turn is None or not (turn.forced or turn.offered)):
             return ()
-        from mawforge.serve.protocol import ApiError, parse_response_format
-        from mawforge.serve.structured import request_constraint
+        from mawforge.front.protocol import ApiError, parse_response_format
+        from mawforge.front.structured import request_constraint
         try:
             proc = request_constraint(self.runtime, parse_response_format(response_format), turn)
         except ApiError as e:
@@ -346,7 +346,7 @@ class Model:
 
     def _chat_front(self):
         if self._front is None:
-            from mawforge.serve.chatreq import ChatDefaults, ChatFront
+            from mawforge.front.chatreq import ChatDefaults, ChatFront
             chat = self.runtime.tokenizer.chat
             if self._chat_template is not None:
                 from mawforge.text.chat import ChatTemplate

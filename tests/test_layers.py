@@ -1,5 +1,6 @@
 """Dependencies go one way: formats and text -> quant codecs -> kernels -> models -> cache -> engine ->
-serve/bench/trace. Every `import` in mawforge/ counts, module-level or inside a function, so no
+front (request parsing both take) -> api -> serve/bench/trace -> cli.
+Every `import` in mawforge/ counts, module-level or inside a function, so no
 lazy import can hide a cycle. An architecture is a package (mawforge/archs/<name>/): its
 `__init__.py` is torch-free formats-level code, its `model.py` is model code."""
 from __future__ import annotations
@@ -25,8 +26,10 @@ LAYERS = {
     "mawforge.trace.record": 5,      # the route-trace format the live cache writes and replay reads
     "mawforge.engine": 6, "mawforge.telemetry": 6,
     "mawforge.speculative": 6.5,     # plugs into the generator's Decoder protocol
-    "mawforge.serve": 7, "mawforge.bench": 7, "mawforge.trace": 7, "mawforge.cli": 7,
-    "mawforge.api": 7, "mawforge.commands": 7,
+    "mawforge.front": 6.8,           # what the Python API and the server take a request with
+    "mawforge.api": 7,               # the Python API: the server stands on it, never the reverse
+    "mawforge.serve": 7.5, "mawforge.bench": 7.5, "mawforge.trace": 7.5, "mawforge.commands": 7.5,
+    "mawforge.cli": 8,
     "mawforge.synth": 7, "mawforge.fixtures": 7, "mawforge.fuzz": 7, "mawforge.demo": 7,
 }
 

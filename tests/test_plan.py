@@ -156,3 +156,56 @@ def test_every_command_prints_its_help():
         r = run_cli(cmd, "--help")
         assert r.returncode == 0 and r.stdout.startswith("usage: mawforge " + cmd), (cmd, r.stderr[-500:])
     assert "{float32,bfloat16,float16,q8_0}" in run_cli("serve", "--help").stdout
+
+
+# ---- the budget when none is given: the memory this process can have ----
+
+def _fake_cgroups(tmp_path, proc: str, files: dict[str, str]):
+    (tmp_path / "cgroup").write_text(proc)
+    for rel, text in files.items():
+        f = tmp_path / "sys" / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    return str(tmp_path / "cgroup"), str(tmp_path / "sys")
+
+
+def test_the_tightest_cgroup_limit_is_found_v1_and_v2(tmp_path):
+    from mawforge.plan import _cgroup_limit
+    v1 = _fake_cgroups(tmp_path / "v1", "5:cpu:/x\n4:memory:/a/b\n", {
+        "memory/a/b/memory.limit_in_bytes": str(8 << 30), "memory/a/memory.limit_in_bytes": str(4 << 30),
+        "memory/memory.limit_in_bytes": "9223372036854771712"})
+    assert _cgroup_limit(*v1) == (4 << 30, "/a")
+    v2 = _fake_cgroups(tmp_path / "v2", "0::/user/job\n", {"user/job/memory.max": str(3 << 30),
+                                                             "user/memory.max": "max"})
+    assert _cgroup_limit(*v2) == (3 << 30, "/user/job")
+    none = _fake_cgroups(tmp_path / "none", "0::/\n", {"memory.max": "max"})
+    assert _cgroup_limit(*none) is None
+    assert _cgroup_limit(str(tmp_path / "missing"), str(tmp_path)) is None
+
+
+def test_no_budget_given_plans_for_the_cgroup_or_the_machine(monkeypatch, facts):
+    from mawforge import plan as P
+    from mawforge.engine.options import RuntimeOptions, plan_for_options
+    monkeypatch.setattr(P, "_mem_available", lambda: 20 << 30)
+    monkeypatch.setattr(P, "_cgroup_limit", lambda: (8 << 30, "/bench"))
+    b = P.default_budget()
+    assert b.bytes == int((8 << 30) * 0.92) and b.source == "default: the 8.00 GiB limit of cgroup /bench, less 8%"
+    monkeypatch.setattr(P, "_cgroup_limit", lambda: None)
+    b = P.default_budget()
+    assert b.bytes == int((20 << 30) * 0.92) and "20.00 GiB this machine has available" in b.source
+    monkeypatch.setattr(P, "_mem_available", lambda: 512 << 20)       # the margin is at least 256 MiB
+    assert P.default_budget().bytes == 256 << 20
+    # a plan with no budget flag is rejected where the memory found cannot hold it, naming the source
+    monkeypatch.setattr(P, "_mem_available", lambda: 1 << 20)
+    p = plan_for_options(facts, RuntimeOptions(context=256, expert_cache_percent=100))
+    assert not p.feasible and "default: the 0.00 GiB this machine has available" in p.table()
+    # opting out (a draft model loaded beside its target) plans without one
+    q = plan_for_options(facts, RuntimeOptions(context=256, default_budget=False))
+    assert q.feasible and q.budget_bytes is None
+
+
+def test_plan_with_no_flag_names_the_default_budget(packs):
+    r = run_cli("plan", "--pack", str(packs[("qwen3_moe", "Q4_K_M")]), "--context", "256")
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("budget"))
+    assert "[default: the " in line and "less 8%]" in line

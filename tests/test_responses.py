@@ -25,7 +25,7 @@ from mawforge.pack.packer import pack
 from mawforge.plan import Budget
 from mawforge.commands.serve import add_arguments
 from mawforge.serve.app import ServerThread, build_app
-from mawforge.serve.protocol import ApiError
+from mawforge.front.protocol import ApiError
 from mawforge.serve.responses import ResponseStore, store_from_args
 from mawforge.serve.respreq import text_format
 

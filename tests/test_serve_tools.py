@@ -18,7 +18,7 @@ from mawforge.fixtures.sdist_templates import SdistMissing, template_dir
 from mawforge.pack.packer import pack
 from mawforge.plan import Budget
 from mawforge.serve.app import ServerThread, build_app
-from mawforge.serve.chatreq import ChatDefaults
+from mawforge.front.chatreq import ChatDefaults
 
 transformers = pytest.importorskip("transformers")
 try:
@@ -295,8 +295,8 @@ def test_server_prompt_is_transformers_prompt(rt, hf, stem):
     """The exact string the server tokenizes (OpenAI-shaped request in, arguments as JSON strings)
     against transformers' rendering of the same conversation."""
     from mawforge.text.chat import ChatTemplate
-    from mawforge.serve.chatreq import ChatFront, parse_chat_options
-    from mawforge.serve.protocol import parse_request
+    from mawforge.front.chatreq import ChatFront, parse_chat_options
+    from mawforge.front.protocol import parse_request
     source = (TEMPLATES / f"{stem}.jinja").read_text()
     call = {"id": "a1B2c3D4e", "type": "function",
             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}

@@ -26,7 +26,7 @@ from mawforge.fixtures.build import build_fixtures
 from mawforge.fixtures.hf_tokenizers import build_family
 from mawforge.pack.packer import pack
 from mawforge.serve.app import ServerThread, build_app
-from mawforge.serve.structured import JSON_CALLS, tool_grammar
+from mawforge.front.structured import JSON_CALLS, tool_grammar
 from mawforge.text.tools import FORMATS
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "name", "n", "tags"],
@@ -145,7 +145,7 @@ def test_qwen_xml_calls_follow_the_schema_and_parse_back(tokenizers):
 
 
 def test_strict_tools_under_auto_constrain_only_a_call_the_model_opens(tokenizers):
-    from mawforge.serve.structured import _open_token
+    from mawforge.front.structured import _open_token
     tok = tokenizers("hf-qwen3")                        # <tool_call> is one added (special) token
     v, fmt = C.token_vocab(tok, tok.vocab_size), FORMATS["qwen-json"]
     opener = _open_token(fmt, v)
@@ -381,7 +381,7 @@ def test_a_dead_end_keeps_what_streamed_and_tells_the_client(served):
 def test_json_output_closes_a_reasoning_block_the_template_opens():
     """Qwen3.5's template leaves the answer inside <think>: JSON is the answer, so it is closed first."""
     from mawforge.text.chat import ChatTemplate
-    from mawforge.serve.chatreq import ChatFront, parse_chat_options
+    from mawforge.front.chatreq import ChatFront, parse_chat_options
     front = ChatFront(ChatTemplate(_template("Qwen3.5-4B"), "", "<|im_end|>"))
     free = front.prepare(parse_chat_options({}, ASK))
     turn = front.prepare(parse_chat_options({"response_format": RF}, ASK))

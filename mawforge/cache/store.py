@@ -25,7 +25,7 @@ import xxhash
 from mawforge.byte_rules import PAGE, round_page  # noqa: F401  (re-exported)
 from mawforge.errors import IntegrityError
 from mawforge.kernels import native
-from mawforge.pack.manifest import EXPERTS, ExpertIndex, digest
+from mawforge.pack.manifest import EXPERTS, ExpertIndex, digest, resolve_source  # noqa: F401  (re-exported)
 
 
 def aligned_buffer(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
@@ -280,21 +280,6 @@ class NativeReadPool:
 
     def __del__(self) -> None:
         self.shutdown()
-
-
-def resolve_source(pack: Path, f) -> Path:
-    """Where an in-place pack's source file is now: beside the pack as it was when packed (so a
-    pack and its model moved together keep working), else where it was. A missing file or one of
-    another size is a one-line error naming it (edited, truncated, moved or deleted)."""
-    for p in (Path(os.path.normpath(Path(pack) / f.relpath)), Path(f.path)):
-        if p.is_file():
-            size = p.stat().st_size
-            if size != f.size:
-                raise IntegrityError(f"{p} has {size} bytes, {f.size} when {Path(pack).name} was packed in place "
-                                     "from it: the source changed; run `mawforge verify` or pack it again")
-            return p
-    raise IntegrityError(f"{f.name}, the source file of in-place pack {Path(pack).name}, is missing "
-                         f"(not at {f.path}): moved or deleted; put it back or pack again")
 
 
 def _open_direct(path: Path, direct: bool) -> tuple[int, bool]:

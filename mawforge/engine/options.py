@@ -7,13 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from mawforge.errors import FormatError
-from mawforge.plan import PREFILL_WAVE, Budget, PackFacts, PairPlan, Plan, draft_footprint, make_plan
+from mawforge.plan import (PREFILL_WAVE, Budget, PackFacts, PairPlan, Plan, default_budget, draft_footprint,
+                           make_plan)
 
 
 @dataclass(frozen=True)
 class RuntimeOptions:
     context: int = 4096
-    budget: Budget | None = None       # what L must fit in (None: no budget, all experts cached)
+    budget: Budget | None = None       # what L must fit in (None: plan.default_budget, or none at all
+    default_budget: bool = True        # when False: no budget given means none, every expert cached
     expert_cache_percent: float | None = None
     expert_cache_gib: float | None = None
     policy: str = "s3fifo"             # measured against lru on full-size traces: cache/policies.py S3FIFO
@@ -48,6 +50,8 @@ def plan_for_options(facts: PackFacts, opts: RuntimeOptions, framework_bytes: in
     a draft model's L), context, cache and prefill settings. framework_bytes: measured in this
     process, or None for the static figure (plan.FRAMEWORK_BYTES)."""
     budget = opts.budget
+    if budget is None and opts.default_budget:
+        budget = default_budget()
     if budget is not None and opts.reserved_bytes:
         budget = budget.less(opts.reserved_bytes, "the draft's L")
     return make_plan(facts, budget=budget, context=opts.context,
@@ -61,7 +65,7 @@ def plan_for_options(facts: PackFacts, opts: RuntimeOptions, framework_bytes: in
 def draft_options(target: RuntimeOptions, draft_cache_percent: float) -> RuntimeOptions:
     """How a draft model (speculative decoding) is loaded beside the target: the target's context,
     KV dtype and prefill chunk, its own expert cache percent, no budget and no prompt cache."""
-    return RuntimeOptions(context=target.context, expert_cache_percent=draft_cache_percent,
+    return RuntimeOptions(context=target.context, expert_cache_percent=draft_cache_percent, default_budget=False,
                           policy=target.policy, device=target.device, kv_dtype=target.kv_dtype,
                           direct_io=target.direct_io, prefill_chunk=target.prefill_chunk, prompt_cache_gib=0.0)
 
@@ -72,6 +76,8 @@ def pair_plan_for_options(facts: PackFacts, draft: PackFacts, opts: RuntimeOptio
     the drafter loads it (draft_options), then the target's against the budget less the draft's L,
     so a cache sized from the budget leaves room for the draft (static figures: no process to
     measure yet)."""
+    if opts.budget is None and opts.default_budget:
+        opts = replace(opts, budget=default_budget())
     dp = plan_for_options(draft, draft_options(opts, draft_cache_percent))
     tp = plan_for_options(facts, replace(opts, reserved_bytes=dp.L))
     return draft_footprint(tp, dp, None if opts.budget is None else opts.budget.bytes, draft_pack)

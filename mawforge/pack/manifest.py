@@ -6,13 +6,14 @@ themselves when read back, so a damaged or foreign pack is a one-line error.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import xxhash
 
-from mawforge.errors import FormatError
+from mawforge.errors import FormatError, IntegrityError
 from mawforge.formats import jsonio
 from mawforge.formats.config import ModelConfig
 
@@ -409,3 +410,18 @@ def compute_pack_digest(config: dict, common: tuple[TensorRecord, ...], common_d
             pd.update(canonical({"files": [f.to_dict() for f in index.files],
                                  "sources": [[r.to_dict() for r in lb.sources] for lb in index.layers]}))
     return pd.hexdigest()
+
+
+def resolve_source(pack: Path, f) -> Path:
+    """Where an in-place pack's source file is now: beside the pack as it was when packed (so a
+    pack and its model moved together keep working), else where it was. A missing file or one of
+    another size is a one-line error naming it (edited, truncated, moved or deleted)."""
+    for p in (Path(os.path.normpath(Path(pack) / f.relpath)), Path(f.path)):
+        if p.is_file():
+            size = p.stat().st_size
+            if size != f.size:
+                raise IntegrityError(f"{p} has {size} bytes, {f.size} when {Path(pack).name} was packed in place "
+                                     "from it: the source changed; run `mawforge verify` or pack it again")
+            return p
+    raise IntegrityError(f"{f.name}, the source file of in-place pack {Path(pack).name}, is missing "
+                         f"(not at {f.path}): moved or deleted; put it back or pack again")

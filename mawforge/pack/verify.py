@@ -170,8 +170,8 @@ class _Tee:
 def _check_in_place(pack: Path, index, rep: VerifyReport, bar) -> None:
     """An in-place pack's blocks, read from its source files: each block's digest, and each
     tensor's over all its experts, so a change is named by tensor and file."""
-    from mawforge.cache.store import resolve_source
     from mawforge.errors import IntegrityError
+    from mawforge.pack.manifest import resolve_source
     fds: dict[int, tuple[int, int, Path]] = {}
     try:
         for i, f in enumerate(index.files):

@@ -28,10 +28,10 @@ from mawforge.text.chat import ChatTemplate
 from mawforge.engine.generate import validate
 from mawforge.errors import MawError, RequestError
 from mawforge.serve import limits
-from mawforge.serve import protocol as P
-from mawforge.serve.chatreq import ChatDefaults, ChatFront, Turn, parse_chat_options
+from mawforge.front import protocol as P
+from mawforge.front.chatreq import ChatDefaults, ChatFront, Turn, parse_chat_options
 from mawforge.serve.choices import Answer
-from mawforge.serve.structured import request_constraint
+from mawforge.front.structured import request_constraint
 from mawforge.serve.dashboard import Board
 from mawforge.serve.metrics import Metrics, prompt_cache_gauges
 from mawforge.serve.responses import ResponsesApi, ResponseStore

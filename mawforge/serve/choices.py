@@ -12,8 +12,8 @@ import copy
 from dataclasses import replace
 
 from mawforge.engine.processors import TokenLogprob
-from mawforge.serve import protocol as P
-from mawforge.serve.chatreq import finish_reason, shape_choice, stream_chunks
+from mawforge.front import protocol as P
+from mawforge.front.chatreq import finish_reason, shape_choice, stream_chunks
 from mawforge.telemetry import Telemetry
 
 _SUMMED = ("completion_tokens", "decode_s", "total_s", "hits", "misses", "evictions", "materialized_bytes",

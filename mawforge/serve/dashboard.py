@@ -32,7 +32,7 @@ from starlette.staticfiles import StaticFiles
 
 from mawforge.cache.core import HEAT_FIELDS
 from mawforge.cache.observer import CacheObserver
-from mawforge.serve import protocol as P
+from mawforge.front import protocol as P
 from mawforge.telemetry import peak_rss_bytes, rss_bytes
 from mawforge.trace.record import TraceRecorder
 from mawforge.trace.replay import Budget, replay

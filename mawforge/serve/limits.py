@@ -15,7 +15,7 @@ import dataclasses
 
 from mawforge.errors import FormatError
 from mawforge.formats import jsonio
-from mawforge.serve import protocol as P
+from mawforge.front import protocol as P
 
 MAX_BODY_BYTES = 8 << 20         # a context of 256k tokens of text is ~1 MB; 8 MB leaves room
 MAX_DEPTH = 32                   # chat bodies nest 5-8 levels (tools schemas a few more)

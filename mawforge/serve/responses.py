@@ -24,11 +24,11 @@ from mawforge.engine.generate import validate
 from mawforge.errors import MawError, RequestError
 from mawforge.formats import jsonio
 from mawforge.serve import limits
-from mawforge.serve import protocol as P
-from mawforge.serve.chatreq import Turn, parse_chat_options
+from mawforge.front import protocol as P
+from mawforge.front.chatreq import Turn, parse_chat_options
 from mawforge.serve.respout import Output, base_response, new_id
 from mawforge.serve.respreq import ResponsesRequest, parse_responses, to_messages
-from mawforge.serve.structured import request_constraint
+from mawforge.front.structured import request_constraint
 from mawforge.serve.worker import Channel, Failure, Job, watch_disconnect
 
 ENDPOINT = "/v1/responses"

@@ -16,7 +16,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from mawforge.serve.protocol import ApiError
+from mawforge.front.protocol import ApiError
 
 # OpenAI's documented create fields, plus the extensions the chat endpoint also reads.
 KNOWN_FIELDS = frozenset({

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mawforge.text.chat import ChatTemplate
 from mawforge.errors import MawError
-from mawforge.serve.chatreq import REASONING_FORMATS, REASONING_MODES, ChatDefaults
+from mawforge.front.chatreq import REASONING_FORMATS, REASONING_MODES, ChatDefaults
 
 
 def add_chat_arguments(p: argparse.ArgumentParser) -> None:

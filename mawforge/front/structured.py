@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from mawforge.engine import constraint as C
-from mawforge.serve.protocol import ApiError
+from mawforge.front.protocol import ApiError
 from mawforge.text.tools import ToolFormat
 
 # Tool-call formats whose arguments are one JSON object: format -> (the call's head after the

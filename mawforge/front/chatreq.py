@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from mawforge.text.chat import ChatTemplate
 from mawforge.errors import RequestError
 from mawforge.text.outparse import OutputParser, ToolCall, argument_chunks, collect
-from mawforge.serve.protocol import ApiError
+from mawforge.front.protocol import ApiError
 from mawforge.text.tools import ToolFormat, detect
 
 REASONING_FORMATS = ("auto", "deepseek", "none")      # llama-server's --reasoning-format names
@@ -45,7 +45,7 @@ class ChatOptions:
     named: str | None = None
     template_kwargs: dict = field(default_factory=dict)
     reasoning_format: str | None = None        # None: the server's
-    json_output: bool = False                  # response_format asks for JSON (serve/structured.py)
+    json_output: bool = False                  # response_format asks for JSON (front/structured.py)
 
 
 @dataclass
@@ -54,7 +54,7 @@ class Turn:
     parser: OutputParser
     forced: tuple = ()             # (index in tools, tool) the output must call (tool_choice required/named)
     named: str | None = None       # the named function, whose call opening is in the prompt
-    offered: tuple = ()            # the tools under tool_choice "auto" (strict ones: serve/structured.py)
+    offered: tuple = ()            # the tools under tool_choice "auto" (strict ones: front/structured.py)
 
 
 # ---- request validation -------------------------------------------------------------------
@@ -233,7 +233,7 @@ class ChatFront:
             prompt += prefill
             parser.feed(prefill)
             forced = tuple((i, t) for i, t in enumerate(o.tools) if o.named in (None, t["function"]["name"]))
-            return Turn(prompt, parser, forced, o.named)     # serve/structured.py constrains what follows
+            return Turn(prompt, parser, forced, o.named)     # front/structured.py constrains what follows
         if o.json_output and opens:          # JSON is the answer, not the thought: close the block first
             prefill = fmt.think[0][1] + "\n\n"
             prompt += prefill

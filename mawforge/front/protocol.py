@@ -199,7 +199,7 @@ MAX_SCHEMA_CHARS = 256 * 1024
 def parse_response_format(v, param: str = "response_format") -> dict | None:
     """OpenAI's response_format (or the Responses API's text.format, flattened by the caller) as
     None (text: no constraint), {"type": "json_object"} or {"type": "json_schema", "name", "schema",
-    "strict"}. serve/structured.py turns it into a grammar."""
+    "strict"}. front/structured.py turns it into a grammar."""
     if v is None:
         return None
     kind = v.get("type") if isinstance(v, dict) else None
