@@ -44,7 +44,7 @@ def oss_model(layers: int) -> Path:
 
 
 def in_place_pack(first: Path) -> Path:
-    out = first.parent / (first.name.split("-00001-of-")[0] + ".inplace.pack")
+    out = first.parent / (first.name.split("-00001-of-")[0].removesuffix(".gguf") + ".inplace.pack")
     if not (out / "manifest.json").exists():
         r = run_child([PY, "-m", "mawforge.cli", "pack", str(first), "-o", str(out), "--in-place", "--quiet",
                        "--force"])
@@ -69,7 +69,8 @@ def main() -> int:
     a = ap.parse_args()
     first = a.model or oss_model(a.layers)
     pack = in_place_pack(first)
-    files = sorted(first.parent.glob(first.name.split("-00001-of-")[0] + "-*-of-*.gguf"))
+    from mawforge.formats.gguf import shard_paths
+    files = shard_paths(first)
     size = sum(f.stat().st_size for f in files)
     cpu = cpu_kind()
     record = {"bench": "beyond_memory", "machine": machine(), "cpu": cpu, "commit": commit(),

@@ -61,6 +61,7 @@ def work_maw(a) -> dict:
     rt = Runtime(a.pack, RuntimeOptions(context=a.context, expert_cache_percent=a.cache_percent,
                                         budget=budget, prefill_chunk=a.prefill_chunk, threads=THREADS,
                                         check_digests=False, stream_embeddings=a.stream_embeddings,
+                                        prefetch=a.prefetch,
                                         thread_governor=not a.no_thread_governor))
     if a.preload:
         rt.cache.preload()
@@ -171,6 +172,7 @@ def main() -> int:
         ap.add_argument("--no-thread-governor", action="store_true", help="MawForge: keep every step at THREADS")
         ap.add_argument("--context", type=int, default=512)
         ap.add_argument("--prefill-chunk", type=int, default=64, help="MawForge's prefill chunk")
+        ap.add_argument("--prefetch", default="auto", help="MawForge's --prefetch (auto, none, or a policy)")
         a = ap.parse_args()
         print(json.dumps({"llama": work_llama, "maw": work_maw, "pread": work_pread}[a.engine](a)))
         return 0

@@ -25,7 +25,8 @@ def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("synth")
     make = lambda name, **kw: synth(d / name, 2, vocab=VOCAB, progress=False, report_tokens=96, **TINY, **kw)  # noqa: E731
     return {"plain": make("plain.gguf"), "skew": make("skew.gguf", skew=1.2),
-            "sticky": make("sticky.gguf", stickiness=0.6), "q8": make("q8.gguf", quant="Q8_0")}
+            "sticky": make("sticky.gguf", stickiness=0.6), "q8": make("q8.gguf", quant="Q8_0"),
+            "q2k": make("q2k.gguf", quant="Q2_K", skew=1.0)}
 
 
 def _report(path) -> dict:
@@ -53,8 +54,19 @@ def test_tiny_file_has_llama_cpp_names_shapes_and_q4_k_m_mix(files):
     assert types["blk.0.ffn_gate_inp.weight"] == Q.F32 and types["blk.0.attn_norm.weight"] == Q.F32
 
 
+def test_q2_k_mix_is_llama_quantizes_and_llama_cpp_agrees(files):
+    types = {x.name: x.tensor_type for x in GGUFReader(files["q2k"]).tensors}
+    assert types["blk.0.ffn_gate_exps.weight"] == Q.Q2_K and types["blk.1.ffn_down_exps.weight"] == Q.Q3_K
+    assert types["blk.0.attn_v.weight"] == Q.Q4_K and types["blk.0.attn_output.weight"] == Q.Q3_K
+    assert types["token_embd.weight"] == Q.Q2_K and types["output.weight"] == Q.Q6_K
+    tokens = list(np.random.default_rng(4).integers(0, VOCAB, 24))
+    ref = llama_logits(files["q2k"], tokens)
+    _, mine, _ = forward(files["q2k"], np.array(tokens))
+    assert np.isfinite(ref).all() and np.corrcoef(ref[-1], mine)[0, 1] > 0.999
+
+
 def test_every_quantized_tensor_dequantizes_to_finite_sane_values(files):
-    for path in (files["plain"], files["q8"]):
+    for path in (files["plain"], files["q8"], files["q2k"]):
         for x in GGUFReader(path).tensors:
             w = dequantize(np.asarray(x.data), x.tensor_type)
             assert np.isfinite(w).all(), x.name

@@ -106,6 +106,32 @@ class _Q6_K(Blocks, qtype=Q.Q6_K):  # 128 ql + 64 qh + 16 int8 scales + f16 d; w
         return np.hstack([_bytes(rng, nb, 192), sc, self.f16(std / (18.47 * 32), nb)]).reshape(rows, -1)
 
 
+class _Q2_K(Blocks, qtype=Q.Q2_K):
+    """16 bytes of (4-bit scale | 4-bit min << 4), 64 bytes of 2-bit q, f16 d, f16 dmin:
+    w = d*sc*q - dmin*m per 16 values. sc is even in 8..14 and dmin = 3 d, so m = sc/2 gives a
+    sub-block mean of 0 and m = sc/2 - delta moves it by 3 d delta (the embeddings' mean)."""
+
+    def encode(self, rng, rows, cols, std, mean=None):
+        nb = rows * cols // 256
+        sc = 2 * rng.integers(4, 8, size=(nb, 16), dtype=np.int16)
+        d = std / (11.2 * 1.118)             # rms of sc times the std of q in 0..3
+        m = sc // 2 if mean is None else np.clip(
+            sc // 2 - np.rint(np.repeat(_group_means(mean, rows, 8), 2, axis=1) / (3 * d)).astype(np.int16), 0, 15)
+        s = (sc | (m << 4)).astype(np.uint8)
+        return np.hstack([s, _bytes(rng, nb, 64), self.f16(d, nb), self.f16(3 * d, nb)]).reshape(rows, -1)
+
+
+class _Q3_K(Blocks, qtype=Q.Q3_K):
+    """32 bytes of high bits, 64 of 2-bit low bits, 12 bytes of 6-bit scales (stored + 32), f16 d:
+    random codes give q in -4..3 and scales in -32..31, so w = d*sc*q has std d * 18.5 * 2.29."""
+
+    def encode(self, rng, rows, cols, std, mean=None):
+        if mean is not None:
+            raise UnsupportedError("Q3_K payloads carry no mean")
+        nb = rows * cols // 256
+        return np.hstack([_bytes(rng, nb, 108), self.f16(std / (18.5 * 2.29), nb)]).reshape(rows, -1)
+
+
 # ---------------------------------------------------------------- quant mixes
 
 class _MXFP4(Blocks, qtype=Q.MXFP4):  # E8M0 scale e, 16 bytes of FP4 (E2M1) nibbles; w = kvalue * 2^(e-128)
@@ -142,6 +168,14 @@ class _Q4_K_M(QuantMix, name="Q4_K_M", file_type=15, base=Q.Q4_K):
         if role == "output" or (role in ("attn_v", "ffn_down_exps") and use_more_bits(layer, n_layers)):
             return Q.Q6_K
         return Q.Q4_K
+
+
+class _Q2_KMix(QuantMix, name="Q2_K", file_type=10, base=Q.Q2_K):
+    """llama-quant.cpp's Q2_K rules for a model of n_gqa >= 4 and more than 8 experts: attn_v Q4_K,
+    ffn_down (and its experts) and attn_output Q3_K, output Q6_K, the rest (token_embd too) Q2_K."""
+
+    def qtype(self, role, layer, n_layers):
+        return {"output": Q.Q6_K, "attn_v": Q.Q4_K, "ffn_down_exps": Q.Q3_K, "attn_output": Q.Q3_K}.get(role, Q.Q2_K)
 
 
 class _Q8_0Mix(QuantMix, name="Q8_0", file_type=7, base=Q.Q8_0):
