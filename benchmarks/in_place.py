@@ -4,6 +4,10 @@ goes first, in the same run.
 
     python benchmarks/in_place.py [--layers 48] [--limit-gib 8] [--pairs 2] [--record]
 
+Rows of one configuration run in ABBA order (pairs alternate which pack goes first): the host's
+cache of the VM's disk keeps what a row just read for the next one, which favours the pack read
+most recently (seen as the second row of each pair running up to 1.4x the first).
+
 The model is the shape-true Qwen3-30B-A3B file (`mawforge synth`, Q4_K_M, skew 1.0, stickiness
 0.3; built once under work/bench). Each row is one child process of benchmarks/decode.py's
 MawForge worker on a dropped page cache: a random-id prompt, then teacher-forced decode of random
@@ -42,6 +46,7 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--configs", default="resident,limit", help="which rows: resident, limit or both")
     ap.add_argument("--record", action="store_true", help="also write the record to benchmarks/records/")
     a = ap.parse_args()
     gguf = synth_model(a.layers, "Q4_K_M", skew=1.0, stickiness=0.3)
@@ -51,6 +56,8 @@ def main() -> int:
     configs = {"resident": (["--cache-percent", "100", "--preload"], None),
                f"{a.limit_gib:g} GiB": (["--budget-gib", f"{a.limit_gib * 0.92:.3f}", "--stream-embeddings"],
                                         int(a.limit_gib * GiB))}
+    want = a.configs.split(",")
+    configs = {k: v for k, v in configs.items() if ("resident" if k == "resident" else "limit") in want}
     record = {"bench": "in_place", "machine": machine(), "cpu": cpu_kind(), "commit": commit(), "model": gguf.name,
               "tokens": "random ids: a prompt, then decode teacher-forced", "quiet_before": quiet(), "rows": []}
     for i in range(a.pairs):

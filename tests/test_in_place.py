@@ -191,3 +191,16 @@ def test_in_place_refuses_what_it_cannot_read_as_stored(tmp_path, model, fixture
         pack(hf, tmp_path / "y", progress=False, in_place=True)
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
     assert open_source(model).kind == "gguf"
+
+
+def test_an_index_whose_reads_would_overlap_is_refused(in_place, tmp_path):
+    """Each tensor's page-aligned superset is read while the others are: a template placing a
+    part within a page of the previous one's end would let two reads write the same bytes."""
+    bad = tmp_path / "bad"
+    shutil.copytree(in_place, bad)
+    d = json.loads((bad / "experts.index").read_text())
+    first, second = d["layers"][0]["tensors"][:2]
+    second["parts"][0]["offset"] = first["parts"][0]["offset"] + 4096 * (first["parts"][0]["nbytes"] // 4096)
+    (bad / "experts.index").write_text(json.dumps(d))
+    with pytest.raises(FormatError, match="a page past the previous one's last page"):
+        read_index(bad)

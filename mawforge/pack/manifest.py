@@ -181,7 +181,9 @@ class LayerBlocks:
 
     In an in-place pack (`sources` set, one range per tensor) the blocks are not in experts.pack:
     each tensor's bytes are read from its source file into the slot at its part's offset (every
-    part on a page boundary), and a block's digest covers its parts' bytes, not the gaps."""
+    part on a page boundary, a page after the previous part's last page, so the page-aligned
+    supersets the reader threads read at once never overlap), and a block's digest covers its
+    parts' bytes, not the gaps."""
     layer: int
     block_nbytes: int                     # logical bytes (padding excluded)
     tensors: tuple[TensorRecord, ...]     # part offsets relative to the block start
@@ -235,9 +237,12 @@ class LayerBlocks:
                             for r in _list(d.get("sources"), f"{what} sources"))
             if len(sources) != len(tensors):
                 raise FormatError(f"{what}: {len(sources)} source ranges for {len(tensors)} tensors")
+            room = 0        # each part's page-aligned superset must end before the next part
             for t, r in zip(tensors, sources):
-                if len(t.parts) != 1 or t.parts[0].offset % PAGE:
-                    raise FormatError(f"{what} {t.name}: an in-place tensor is one page-aligned part")
+                if len(t.parts) != 1 or t.parts[0].offset % PAGE or t.parts[0].offset < room:
+                    raise FormatError(f"{what} {t.name}: an in-place tensor is one page-aligned part, a page "
+                                      "past the previous one's last page")
+                room = t.parts[0].offset + -(-t.parts[0].nbytes // PAGE) * PAGE + PAGE
                 if len(r.offsets) != len(offsets):
                     raise FormatError(f"{what} {t.name}: {len(r.offsets)} source offsets for {len(offsets)} blocks")
         elif "sources" in d:

@@ -87,8 +87,9 @@ class _Plan:
 
 
 def plan_pack(src: Source, alignment: int, layout: str, in_place: bool = False) -> _Plan:
-    """In place, every expert tensor is one part on a page boundary of the block (its bytes are
-    read from the source into the slot there) and no block has an offset in experts.pack."""
+    """In place, every expert tensor is one part on a page boundary of the block, a page after the
+    previous one (its bytes are read from the source into the slot there as a page-aligned superset,
+    which never reaches the next part), and no block has an offset in experts.pack."""
     if alignment < 4096 or alignment & (alignment - 1):
         raise FormatError(f"alignment must be a power of two of at least 4096, got {alignment}")
     part_align = PAGE if in_place else PART_ALIGN
@@ -106,7 +107,8 @@ def plan_pack(src: Source, alignment: int, layout: str, in_place: bool = False) 
         ets = [src.experts[(layer, k)] for k in src.expert_kinds(layer)]
         recs, end = [], 0
         for et in ets:
-            rec, end = _place(quants.choose_codec(et.qtype, layout, et.shape), et.qtype, et.shape, end,
+            gap = PAGE if in_place and recs else 0    # in place: a page between tensors (reader.c's segments)
+            rec, end = _place(quants.choose_codec(et.qtype, layout, et.shape), et.qtype, et.shape, end + gap,
                               part_align, et.kind)
             if in_place:
                 _check_in_place(src, et, rec)

@@ -15,8 +15,12 @@
 
    A job of segments (rp_submit_segs) reads an in-place pack's block: each tensor's bytes lie at
    an unaligned offset of a source GGUF, so each is read as its page-aligned superset into the
-   slot and moved down over its `head` bytes (memmove), one segment after the other (a segment's
-   superset may run over the next segment's room, which is read after it). */
+   slot and moved down over its `head` bytes (memmove). The segments of one job are read by as
+   many threads as are free (a worker that claims one puts the job back at the head of its queue
+   while segments are left): three ~1 MB reads one after the other cost each its own request
+   latency, which one 3 MB read of a copied pack pays once (inside 8 GiB on the 48-layer file an
+   in-place pack decoded at 0.86x a copied one with its segments read in turn). The pack's block
+   template leaves a page after each tensor, so no segment's superset reaches the next one's. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
@@ -35,7 +39,7 @@ typedef struct {
 
 typedef struct rp_job {
     struct rp_job *next;
-    int nseg;
+    int nseg, claimed, left, demand;   /* segments; claimed by workers; not yet read; which queue */
     rp_seg seg[RP_MAX_SEGS];
     unsigned char *dst;
     long got;          /* bytes read (a short count at end of file), valid once done */
@@ -71,22 +75,6 @@ static long seg_read(const rp_seg *s, unsigned char *dst) {
     return got;
 }
 
-static void job_read(rp_job *j) {
-    long total = 0;
-    int err = 0;
-    for (int i = 0; i < j->nseg; i++) {
-        long got = seg_read(&j->seg[i], j->dst);
-        if (got < 0) {
-            err = (int)-got;
-            break;
-        }
-        total += got;
-        if (got < j->seg[i].n) break;    /* short: the caller sees the count */
-    }
-    j->got = total;
-    j->err = err;
-}
-
 static rp_job *pop(rp_job **head, rp_job **tail) {
     rp_job *j = *head;
     if (j) {
@@ -95,6 +83,12 @@ static rp_job *pop(rp_job **head, rp_job **tail) {
         j->next = NULL;
     }
     return j;
+}
+
+static void push_front(rp_job **head, rp_job **tail, rp_job *j) {
+    j->next = *head;
+    *head = j;
+    if (!*tail) *tail = j;
 }
 
 static void *worker(void *arg) {
@@ -108,11 +102,24 @@ static void *worker(void *arg) {
             pthread_cond_wait(&p->work, &p->mu);
             continue;
         }
+        int i = j->claimed++;
+        if (j->claimed < j->nseg) {     /* segments left: the next free worker takes one */
+            if (j->demand) push_front(&p->demand_head, &p->demand_tail, j);
+            else push_front(&p->pf_head, &p->pf_tail, j);
+            pthread_cond_signal(&p->work);
+        }
         pthread_mutex_unlock(&p->mu);
-        job_read(j);
+        long got = seg_read(&j->seg[i], j->dst);
         pthread_mutex_lock(&p->mu);
-        __atomic_store_n(&j->done, 1, __ATOMIC_RELEASE);
-        pthread_cond_broadcast(&p->finished);
+        if (got < 0) {
+            if (!j->err) j->err = (int)-got;
+        } else {
+            j->got += got;               /* a short segment leaves the sum short: the caller sees it */
+        }
+        if (--j->left == 0) {
+            __atomic_store_n(&j->done, 1, __ATOMIC_RELEASE);
+            pthread_cond_broadcast(&p->finished);
+        }
     }
     pthread_mutex_unlock(&p->mu);
     return NULL;
@@ -143,7 +150,7 @@ static void *enqueue(rp_pool *p, rp_job *j, int demand);
 void *rp_submit(void *pool, int fd, long off, long len, void *dst, int demand) {
     rp_job *j = calloc(1, sizeof *j);
     if (!j) return NULL;
-    j->nseg = 1;
+    j->nseg = j->left = 1;
     j->seg[0] = (rp_seg){fd, off, len, 0, 0, len};
     j->dst = (unsigned char *)dst;
     return enqueue((rp_pool *)pool, j, demand);
@@ -155,7 +162,7 @@ void *rp_submit_segs(void *pool, int nseg, const long *segs, void *dst, int dema
     if (nseg < 1 || nseg > RP_MAX_SEGS) return NULL;
     rp_job *j = calloc(1, sizeof *j);
     if (!j) return NULL;
-    j->nseg = nseg;
+    j->nseg = j->left = nseg;
     for (int i = 0; i < nseg; i++) {
         const long *s = segs + 6 * i;
         j->seg[i] = (rp_seg){(int)s[0], s[1], s[2], s[3], s[4], s[5]};
@@ -165,6 +172,7 @@ void *rp_submit_segs(void *pool, int nseg, const long *segs, void *dst, int dema
 }
 
 static void *enqueue(rp_pool *p, rp_job *j, int demand) {
+    j->demand = demand;
     pthread_mutex_lock(&p->mu);
     if (p->closed) {
         pthread_mutex_unlock(&p->mu);
