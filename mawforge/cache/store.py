@@ -264,7 +264,7 @@ class NativeReadPool:
     def submit_read(self, store: "ExpertStore", layer: int, expert: int, dst, segs, demand: bool = False) -> NativeRead:
         if self._closed:
             raise RuntimeError("read pool is shut down")
-        flat = (ctypes.c_long * (6 * len(segs)))(*(v for seg in segs for v in seg))
+        flat = (ctypes.c_long * (7 * len(segs)))(*(v for seg in segs for v in seg))
         job = self.fns.submit_segs(self.handle, len(segs), flat, buffer_address(dst), int(demand))
         if not job:
             raise MemoryError("the native read pool could not queue a read")
@@ -308,13 +308,13 @@ def _probe_direct(fd: int) -> bool:
 
 
 def read_segments(segs, dst) -> int:
-    """The Python twin of reader.c's segment job: each (fd, off, len, dst_off, head, n) read and
-    its wanted bytes moved down to dst_off; returns the wanted bytes read."""
+    """The Python twin of reader.c's segment job: each (fd, off, len, dst_off, head, n, move) read
+    to dst_off and, with move, its wanted bytes moved down there; returns the wanted bytes read."""
     view, total = memoryview(dst).cast("B"), 0
-    for fd, off, length, at, head, n in segs:
+    for fd, off, length, at, head, n, move in segs:
         got = os.preadv(fd, [view[at:at + length]], off)
         got = max(0, min(got - head, n))
-        if head and got:
+        if move and head and got:
             view[at:at + got] = bytes(view[at + head:at + head + got])
         total += got
         if got < n:
@@ -348,20 +348,24 @@ class ExpertStore:
         self.pool = NativeReadPool(fns, threads) if fns is not None else ReadPool(threads)
         self.bytes_read = 0
 
-    def segments(self, layer: int, expert: int) -> list[tuple[int, int, int, int, int, int]]:
-        """The reads of block (layer, expert): (fd, off, len, dst_off, head, n) each, page-aligned
-        supersets on an O_DIRECT file."""
+    def segments(self, layer: int, expert: int) -> list[tuple[int, int, int, int, int, int, int]]:
+        """The reads of block (layer, expert): (fd, off, len, dst_off, head, n, move) each. On an
+        O_DIRECT file a tensor is read as its page-aligned superset to the page its part starts in:
+        where the template put the part at the offset in a page its bytes have in the file, they
+        land in place; else (a part on a page boundary) they are moved down over `head`."""
         lb = self.index.layers[layer]
         if not lb.sources:
             n = lb.block_nbytes
-            return [(self.fd, lb.offsets[expert], round_page(n) if self.direct else n, 0, 0, n)]
+            return [(self.fd, lb.offsets[expert], round_page(n) if self.direct else n, 0, 0, n, 0)]
         segs = []
         for t, r in zip(lb.tensors, lb.sources):
             p = t.parts[0]
             off, fd = r.offsets[expert], self.fds[r.file]
-            head = off % PAGE if self._direct[r.file] else 0
-            segs.append((fd, off - head, round_page(head + p.nbytes) if head or self._direct[r.file] else p.nbytes,
-                         p.offset, head, p.nbytes))
+            if not self._direct[r.file]:
+                segs.append((fd, off, p.nbytes, p.offset, 0, p.nbytes, 0))
+                continue
+            head, start = off % PAGE, p.offset - p.offset % PAGE
+            segs.append((fd, off - head, round_page(head + p.nbytes), start, head, p.nbytes, int(start == p.offset)))
         return segs
 
     def _logical(self, layer: int) -> int:
@@ -390,7 +394,7 @@ class ExpertStore:
             what = self.path.name if not lb.sources else self._files(lb)
             raise IntegrityError(f"{what} is truncated at layer {layer} expert {expert}")
         if not self.direct:
-            for fd, off, length, _, head, _ in self.segments(layer, expert):
+            for fd, off, length, *_ in self.segments(layer, expert):
                 os.posix_fadvise(fd, off, length, os.POSIX_FADV_DONTNEED)
         if self.check_digests and (layer, expert) not in self._verified:
             if self._digest(lb, dst) != lb.digests[expert]:

@@ -237,12 +237,17 @@ class LayerBlocks:
                             for r in _list(d.get("sources"), f"{what} sources"))
             if len(sources) != len(tensors):
                 raise FormatError(f"{what}: {len(sources)} source ranges for {len(tensors)} tensors")
-            room = 0        # each part's page-aligned superset must end before the next part
+            room = 0        # each part's page-aligned superset must end before the next part's page
             for t, r in zip(tensors, sources):
-                if len(t.parts) != 1 or t.parts[0].offset % PAGE or t.parts[0].offset < room:
-                    raise FormatError(f"{what} {t.name}: an in-place tensor is one page-aligned part, a page "
-                                      "past the previous one's last page")
-                room = t.parts[0].offset + -(-t.parts[0].nbytes // PAGE) * PAGE + PAGE
+                off = t.parts[0].offset if len(t.parts) == 1 else -1
+                start, head = off - off % PAGE, off % PAGE
+                if off < 0 or start < room:
+                    raise FormatError(f"{what} {t.name}: an in-place tensor is one part in a page of its own, a "
+                                      "page past the previous one's last page")
+                if head and any(o % PAGE != head for o in r.offsets):
+                    raise FormatError(f"{what} {t.name}: the part starts {head} bytes into a page, where not "
+                                      "every expert's bytes start in the source")
+                room = start + -(-(head + t.parts[0].nbytes) // PAGE) * PAGE + PAGE
                 if len(r.offsets) != len(offsets):
                     raise FormatError(f"{what} {t.name}: {len(r.offsets)} source offsets for {len(offsets)} blocks")
         elif "sources" in d:

@@ -87,9 +87,11 @@ class _Plan:
 
 
 def plan_pack(src: Source, alignment: int, layout: str, in_place: bool = False) -> _Plan:
-    """In place, every expert tensor is one part on a page boundary of the block, a page after the
-    previous one (its bytes are read from the source into the slot there as a page-aligned superset,
-    which never reaches the next part), and no block has an offset in experts.pack."""
+    """In place, every expert tensor is one part in a page of its own, a page after the previous
+    part's last (its bytes are read from the source into the slot there as a page-aligned superset,
+    which never reaches the next part): at the offset in the page its bytes have in the file where
+    every expert's agree, else on the page boundary (the reader moves them down). No block has an
+    offset in experts.pack."""
     if alignment < 4096 or alignment & (alignment - 1):
         raise FormatError(f"alignment must be a power of two of at least 4096, got {alignment}")
     part_align = PAGE if in_place else PART_ALIGN
@@ -112,6 +114,11 @@ def plan_pack(src: Source, alignment: int, layout: str, in_place: bool = False) 
                               part_align, et.kind)
             if in_place:
                 _check_in_place(src, et, rec)
+                heads = {off % PAGE for _, off, _ in et.pieces}
+                if len(heads) == 1 and (head := heads.pop()):   # every expert's bytes start alike in a page:
+                    p = rec.parts[0]                           # the part starts there too, read in place
+                    rec = replace(rec, parts=(replace(p, offset=p.offset + head),))
+                    end += head
             recs.append(rec)
         stride = 0 if in_place else _round_up(end, alignment)
         n = len(ets[0].pieces) if ets else 0      # dense layers (DeepSeek's first_k_dense) have no experts

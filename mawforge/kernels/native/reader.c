@@ -15,7 +15,9 @@
 
    A job of segments (rp_submit_segs) reads an in-place pack's block: each tensor's bytes lie at
    an unaligned offset of a source GGUF, so each is read as its page-aligned superset into the
-   slot and moved down over its `head` bytes (memmove). The segments of one job are read by as
+   slot and, where the pack's template could not place the tensor at the same offset in a page as
+   every expert's bytes lie in the file (the experts' sizes not a multiple of a page), moved down
+   over its `head` bytes (memmove). The segments of one job are read by as
    many threads as are free (a worker that claims one puts the job back at the head of its queue
    while segments are left): three ~1 MB reads one after the other cost each its own request
    latency, which one 3 MB read of a copied pack pays once (inside 8 GiB on the 48-layer file an
@@ -35,6 +37,7 @@ typedef struct {
     long off, len;      /* the pread: len bytes at off (page-aligned for O_DIRECT) */
     long dst_off;       /* where in dst it lands */
     long head, n;       /* the wanted bytes are [head, head + n) of what was read */
+    long move;          /* nonzero: move them down to dst_off (else they stay where they landed) */
 } rp_seg;
 
 typedef struct rp_job {
@@ -71,7 +74,7 @@ static long seg_read(const rp_seg *s, unsigned char *dst) {
     long got = done - s->head;
     if (got < 0) got = 0;
     if (got > s->n) got = s->n;
-    if (s->head && got > 0) memmove(to, to + s->head, (size_t)got);
+    if (s->move && s->head && got > 0) memmove(to, to + s->head, (size_t)got);
     return got;
 }
 
@@ -151,12 +154,12 @@ void *rp_submit(void *pool, int fd, long off, long len, void *dst, int demand) {
     rp_job *j = calloc(1, sizeof *j);
     if (!j) return NULL;
     j->nseg = j->left = 1;
-    j->seg[0] = (rp_seg){fd, off, len, 0, 0, len};
+    j->seg[0] = (rp_seg){fd, off, len, 0, 0, len, 0};
     j->dst = (unsigned char *)dst;
     return enqueue((rp_pool *)pool, j, demand);
 }
 
-/* Queue a read of `nseg` segments, six longs each in `segs`: fd, off, len, dst_off, head, n.
+/* Queue a read of `nseg` segments, seven longs each in `segs`: fd, off, len, dst_off, head, n, move.
    The job's result is the sum of the wanted bytes read (short where a file ended early). */
 void *rp_submit_segs(void *pool, int nseg, const long *segs, void *dst, int demand) {
     if (nseg < 1 || nseg > RP_MAX_SEGS) return NULL;
@@ -164,8 +167,8 @@ void *rp_submit_segs(void *pool, int nseg, const long *segs, void *dst, int dema
     if (!j) return NULL;
     j->nseg = j->left = nseg;
     for (int i = 0; i < nseg; i++) {
-        const long *s = segs + 6 * i;
-        j->seg[i] = (rp_seg){(int)s[0], s[1], s[2], s[3], s[4], s[5]};
+        const long *s = segs + 7 * i;
+        j->seg[i] = (rp_seg){(int)s[0], s[1], s[2], s[3], s[4], s[5], s[6]};
     }
     j->dst = (unsigned char *)dst;
     return enqueue((rp_pool *)pool, j, demand);
