@@ -115,8 +115,9 @@ def plan_pack(src: Source, alignment: int, layout: str, in_place: bool = False) 
             if in_place:
                 _check_in_place(src, et, rec)
                 heads = {off % PAGE for _, off, _ in et.pieces}
-                if len(heads) == 1 and (head := heads.pop()):   # every expert's bytes start alike in a page:
-                    p = rec.parts[0]                           # the part starts there too, read in place
+                head = heads.pop() if len(heads) == 1 else 0    # every expert's bytes start alike in a page:
+                if head and head % PART_ALIGN == 0:            # the part starts there too, read in place
+                    p = rec.parts[0]                           # (64-byte aligned, as in a copied pack)
                     rec = replace(rec, parts=(replace(p, offset=p.offset + head),))
                     end += head
             recs.append(rec)
