@@ -18,6 +18,7 @@ COMMANDS = {
     "serve": "mawforge.commands.serve:",
     "replay": "mawforge.trace.replay:",
     "synth-trace": "mawforge.trace.synthetic:",
+    "trace": "mawforge.trace.stats:",
     "bench": "mawforge.bench.matrix:",
     "tune": "mawforge.bench.tune:",
 }
