@@ -17,6 +17,7 @@ from mawforge.engine.runtime import Runtime, RuntimeOptions
 from mawforge.errors import FormatError, IntegrityError
 from mawforge.fixtures.requant import split_gguf
 from mawforge.formats.source import open_source
+from mawforge.pack.inspect import describe, table
 from mawforge.pack.manifest import EXPERTS, read_index
 from mawforge.pack.packer import pack
 from mawforge.pack.verify import verify
@@ -63,6 +64,9 @@ def test_an_in_place_pack_holds_no_expert_copy_and_names_its_sources(in_place, c
     assert size < sum(f.stat().st_size for f in copied.iterdir()) / 2
     man = json.loads((in_place / "manifest.json").read_text())
     assert man["source"]["in_place"] is True and man["bytes"]["experts_file"] == 0
+    d = describe(in_place)
+    assert d["in_place_files"] == [model.name] and d["expert_bytes"] == describe(model)["expert_bytes"]
+    assert f"experts read in place from  {model.name}" in table(d)
     # the tensors' source offsets are not page-aligned: every read goes through a superset
     heads = {off % 4096 for lb in index.layers for r in lb.sources for off in r.offsets}
     assert len(heads) > 1

@@ -369,8 +369,7 @@ class ExpertStore:
         return segs
 
     def _logical(self, layer: int) -> int:
-        lb = self.index.layers[layer]
-        return sum(t.parts[0].nbytes for t in lb.tensors) if lb.sources else lb.block_nbytes
+        return self.index.layers[layer].logical_nbytes
 
     def read_into(self, layer: int, expert: int, dst) -> int:
         """Read block (layer, expert) into dst (page-aligned, >= its slot) on this thread."""

@@ -40,7 +40,8 @@ def _describe_pack(p: Path) -> dict:
             "common_bytes": man.byte_totals["common"], "expert_bytes": man.byte_totals["experts"],
             "block_bytes_by_layer": index.block_bytes(), "quant_types": dict(qtypes),
             "transforms": list(man.transforms), "tokenizer": man.tokenizer,
-            "fallback_tensors": fallback_tensors(entries)}
+            "fallback_tensors": fallback_tensors(entries),
+            "in_place_files": [f.name for f in index.files]}
 
 
 def _describe_source(p: Path) -> dict:
@@ -77,6 +78,8 @@ def table(d: dict) -> str:
     if d["kind"] == "pack":
         rows += [("pack digest", d["pack_digest"]), ("layout", d["layout"]),
                  ("alignment", d["alignment"]), ("source digest", d["source"].get("digest"))]
+        if d.get("in_place_files"):
+            rows.append(("experts read in place from", ", ".join(d["in_place_files"])))
     sizes = Counter(d["block_bytes_by_layer"])
     rows.append(("block bytes by layer",
                  ", ".join(f"{b:,} x{n}" for b, n in sorted(sizes.items()))))

@@ -193,6 +193,11 @@ class LayerBlocks:
     sources: tuple[SourceRange, ...] = ()
 
     @property
+    def logical_nbytes(self) -> int:
+        """A block's own bytes: in place its parts' (the pages between them are not the model's)."""
+        return sum(p.nbytes for t in self.tensors for p in t.parts) if self.sources else self.block_nbytes
+
+    @property
     def slot_nbytes(self) -> int:
         """Bytes of a slot holding one block: page-rounded, and in place one page more, which
         the last tensor's page-aligned superset read runs into."""
@@ -277,7 +282,7 @@ class ExpertIndex:
         return max((len(lb.offsets) for lb in self.layers), default=0)
 
     def total_bytes(self) -> int:
-        return sum(lb.block_nbytes * len(lb.offsets) for lb in self.layers)
+        return sum(lb.logical_nbytes * len(lb.offsets) for lb in self.layers)
 
     def to_json(self) -> str:
         d = {"format": FORMAT, "format_version": FORMAT_VERSION, "alignment": self.alignment,
