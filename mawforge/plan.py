@@ -325,7 +325,8 @@ class Plan:
                  + (f", {self.sequences} sequences" if self.sequences > 1 else "")),
                 ("P  prompt cache", g(self.P) + f"  [{self.prompt_cache_source}]"),
                 ("L  = C + E + K + P", g(self.L)), ("O  runtime overhead", g(self.O)), ("F  = L + O", g(self.F)),
-                ("budget", g(self.budget_bytes) + f"  [{self.budget_source}]" if self.budget_bytes else "none given"),
+                ("budget", g(self.budget_bytes) + f"  [{self.budget_source}]" if self.budget_bytes is not None
+                 else "none given"),
                 ("min expert cache", g(self.min_cache_bytes) + "  (one layer's top-k blocks)"),
                 ("largest feasible cache",
                  f"{self.max_cache_percent:.1f}%" if self.max_cache_percent is not None else "n/a"),

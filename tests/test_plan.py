@@ -101,7 +101,9 @@ def test_pair_plan_figures_are_the_sum_of_the_parts(packs):
     t, dp = d["target"], d["draft"]
     assert dp["L"] == dp["C"] + dp["E"] + dp["K"] and dp["context"] == t["context"] == 512
     assert dp["E"] == int(draft.expert_bytes * 0.5) and dp["K"] == kv_bytes(draft, 512, dp["kv_dtype"])
-    assert d["L"] == t["L"] + dp["L"] and d["F"] == d["L"] + t["O"] and d["feasible"] and d["budget_bytes"] is None
+    assert d["L"] == t["L"] + dp["L"] and d["F"] == d["L"] + t["O"] and d["feasible"] and d["budget_bytes"] > 0
+    # no budget flag: the pair plans for the memory found (plan.default_budget), the target for what the draft leaves
+    assert t["budget_source"].startswith("default: the ") and t["budget_source"].endswith("less the draft's L")
     table = _pair_cli(packs, "--expert-cache-percent", "25", "--draft-cache-percent", "50")
     assert table.returncode == 0 and f"({dp['L']:,} B)" in table.stdout and f"({d['L']:,} B)" in table.stdout
     assert "draft L  = C + E + K" in table.stdout and "FEASIBLE" in table.stdout.splitlines()[-1]
@@ -161,6 +163,7 @@ def test_every_command_prints_its_help():
 # ---- the budget when none is given: the memory this process can have ----
 
 def _fake_cgroups(tmp_path, proc: str, files: dict[str, str]):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "cgroup").write_text(proc)
     for rel, text in files.items():
         f = tmp_path / "sys" / rel
@@ -189,10 +192,11 @@ def test_no_budget_given_plans_for_the_cgroup_or_the_machine(monkeypatch, facts)
     monkeypatch.setattr(P, "_mem_available", lambda: 20 << 30)
     monkeypatch.setattr(P, "_cgroup_limit", lambda: (8 << 30, "/bench"))
     b = P.default_budget()
-    assert b.bytes == int((8 << 30) * 0.92) and b.source == "default: the 8.00 GiB limit of cgroup /bench, less 8%"
+    assert b.bytes == (8 << 30) - int((8 << 30) * 0.08)
+    assert b.source == "default: the 8.00 GiB limit of cgroup /bench, less 8%"
     monkeypatch.setattr(P, "_cgroup_limit", lambda: None)
     b = P.default_budget()
-    assert b.bytes == int((20 << 30) * 0.92) and "20.00 GiB this machine has available" in b.source
+    assert b.bytes == (20 << 30) - int((20 << 30) * 0.08) and "20.00 GiB this machine has available" in b.source
     monkeypatch.setattr(P, "_mem_available", lambda: 512 << 20)       # the margin is at least 256 MiB
     assert P.default_budget().bytes == 256 << 20
     # a plan with no budget flag is rejected where the memory found cannot hold it, naming the source

@@ -170,25 +170,26 @@ def test_a_reader_that_never_reads_is_cancelled_and_the_others_go_on(rt, server)
 
 
 def test_serve_preload_fills_the_expert_cache_before_the_first_request(pack_dir):
-    """`serve --preload` (what the several-users benchmark's resident rows use): the model the CLI
-    builds holds its whole expert cache before any request; without it the cache starts empty."""
+    """A server whose plan holds every expert reads them all in before the first request (so the
+    first turn is as fast as the next); `--no-preload` starts with an empty cache; a cache of part of
+    the experts starts empty unless `--preload` asks (then it is filled)."""
     import argparse
 
     from mawforge.commands.serve import add_arguments, app_for, plan_served
     from mawforge.serve.servecli import chat_settings
 
     held = {}
-    for flag in ([], ["--preload"]):
+    for pct, flag in (("100", []), ("100", ["--no-preload"]), ("50", []), ("50", ["--preload"])):
         p = argparse.ArgumentParser()
         add_arguments(p)
-        a = p.parse_args(["--pack", str(pack_dir), "--context", str(CONTEXT), "--expert-cache-percent", "100",
+        a = p.parse_args(["--pack", str(pack_dir), "--context", str(CONTEXT), "--expert-cache-percent", pct,
                           "--threads", "1", "--no-dashboard", *flag])
         opts, _, run_plan = plan_served(a)
         app, model = app_for(a, opts, run_plan, chat_settings(a))
         try:
             cache = model.runtime.cache
-            held[bool(flag)] = (cache.held, cache.capacity)
+            held[(pct, *flag)] = (cache.held, cache.capacity)
         finally:
             model.close()
-    assert held[False][0] == 0
-    assert held[True][0] > 0.9 * held[True][1]
+    assert held[("100",)][0] > 0.9 * held[("100",)][1] and held[("100", "--no-preload")][0] == 0
+    assert held[("50",)][0] == 0 and held[("50", "--preload")][0] > 0.9 * held[("50", "--preload")][1]

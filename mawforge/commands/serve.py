@@ -38,8 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--telemetry-log", default=None, help="append one JSON line per request here")
     p.add_argument("--no-dashboard", dest="dashboard", action="store_false",
                    help="no live dashboard at / (it is on by default; --api-key guards it too)")
-    p.add_argument("--preload", action="store_true",
-                   help="fill the expert cache before serving (at --expert-cache-percent 100: the whole model)")
+    p.add_argument("--preload", dest="preload", action="store_true", default=None,
+                   help="fill the expert cache before serving (at --expert-cache-percent 100: the whole model); "
+                        "default: when the plan holds every expert, so the first turn is as fast as the next")
+    p.add_argument("--no-preload", dest="preload", action="store_false",
+                   help="serve at once and read experts as the first requests route to them")
     p.add_argument("--max-batch", type=int, default=1,
                    help="requests stepped at once (continuous batching: each routed expert read once for all "
                         "of them; the plan counts each one's KV); 1: one at a time")
@@ -76,12 +79,19 @@ def plan_served(a: argparse.Namespace):
     return opts, plan, plan
 
 
+def should_preload(flag: bool | None, plan) -> bool:
+    """--preload / --no-preload as given; by default, when the plan's expert cache holds every expert
+    (a resident server): the first prompt then reads nothing, where it read every expert it routed
+    to while computing (a first turn about twice the next ones' TTFT at full size)."""
+    return flag if flag is not None else plan.E >= plan.expert_bytes_total
+
+
 def app_for(a: argparse.Namespace, opts, run_plan, chat: dict, recorder=None, telemetry_log: str | None = None):
     """(app, model): the model loaded through the API's front door and `serve`'s app on it."""
     from mawforge.api import Model
     model = Model.from_options(a.pack, opts, speculative=spec_options(a), recorder=recorder, plan=run_plan)
     try:
-        if getattr(a, "preload", False):
+        if should_preload(getattr(a, "preload", None), model.runtime.plan):
             model.runtime.cache.preload()    # a warm start: blocks in (layer, expert) order until E is full
         model_id = a.model_id or Path(a.pack).resolve().name
         app = build_app(model.runtime, model_id, api_key=a.api_key, max_tokens_default=a.max_tokens_default,
