@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import PY, ROOT, WORK, commit, cpu_kind, machine, quiet, run_child, save, worker_row  # noqa: E402
+from common import PY, ROOT, WORK, commit, cpu_kind, machine, pack_of, quiet, run_child, save, worker_row  # noqa: E402
 
 GiB = 2**30
 DECODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode.py")
@@ -43,16 +43,6 @@ def oss_model(layers: int) -> Path:
     return first
 
 
-def in_place_pack(first: Path) -> Path:
-    out = first.parent / (first.name.split("-00001-of-")[0].removesuffix(".gguf") + ".inplace.pack")
-    if not (out / "manifest.json").exists():
-        r = run_child([PY, "-m", "mawforge.cli", "pack", str(first), "-o", str(out), "--in-place", "--quiet",
-                       "--force"])
-        if r["rc"] != 0:
-            raise SystemExit(f"pack failed: {r['stderr'][-2000:]}")
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path, help="first shard of a GGUF shard set (default: the synthetic gpt-oss)")
@@ -68,7 +58,7 @@ def main() -> int:
     ap.add_argument("--record", action="store_true", help="also write the record to benchmarks/records/")
     a = ap.parse_args()
     first = a.model or oss_model(a.layers)
-    pack = in_place_pack(first)
+    pack = pack_of(first, in_place=True)
     from mawforge.formats.gguf import shard_paths
     files = shard_paths(first)
     size = sum(f.stat().st_size for f in files)

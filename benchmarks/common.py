@@ -76,11 +76,14 @@ def synth_model(layers: int, quant: str = "Q4_K_M", skew: float = 0.0, stickines
     return out
 
 
-def pack_of(gguf: Path, layout: str = "exact") -> Path:
-    out = gguf.with_suffix(f".{layout}.pack")
+def pack_of(gguf: Path, layout: str = "exact", in_place: bool = False) -> Path:
+    """The pack of a GGUF file (or the first shard of a set) beside it, made once: copied in `layout`,
+    or in place (its experts read from the GGUF)."""
+    stem = gguf.name.split("-00001-of-")[0].removesuffix(".gguf")
+    out = gguf.parent / f"{stem}.{'inplace' if in_place else layout}.pack"
     if not (out / "manifest.json").exists():
         r = run_child([PY, "-m", "mawforge.cli", "pack", str(gguf), "-o", str(out), "--layout", layout,
-                       "--quiet", "--force"])
+                       "--quiet", "--force", *(["--in-place"] if in_place else [])])
         if r["rc"] != 0:
             raise SystemExit(f"pack failed: {r['stderr'][-2000:]}")
     return out

@@ -22,20 +22,11 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import (PY, ROOT, commit, cpu_kind, machine, median, pack_of, quiet, run_child, save,  # noqa: E402
-                    synth_model, worker_row)
+from common import (ROOT, commit, cpu_kind, machine, median, pack_of, quiet, save, synth_model,  # noqa: E402
+                    worker_row)
 
 GiB = 2**30
 DECODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode.py")
-
-
-def in_place_pack(gguf) -> str:
-    out = gguf.with_suffix(".inplace.pack")
-    if not (out / "manifest.json").exists():
-        r = run_child([PY, "-m", "mawforge.cli", "pack", str(gguf), "-o", str(out), "--in-place", "--quiet", "--force"])
-        if r["rc"] != 0:
-            raise SystemExit(f"pack failed: {r['stderr'][-2000:]}")
-    return str(out)
 
 
 def main() -> int:
@@ -50,7 +41,7 @@ def main() -> int:
     ap.add_argument("--record", action="store_true", help="also write the record to benchmarks/records/")
     a = ap.parse_args()
     gguf = synth_model(a.layers, "Q4_K_M", skew=1.0, stickiness=0.3)
-    packs = {"copied": str(pack_of(gguf)), "in place": in_place_pack(gguf)}
+    packs = {"copied": str(pack_of(gguf)), "in place": str(pack_of(gguf, in_place=True))}
     common = ["--prompt-tokens", str(a.prompt_tokens), "--decode-tokens", str(a.decode_tokens),
               "--warmup", str(a.warmup), "--context", "512"]
     configs = {"resident": (["--cache-percent", "100", "--preload"], None),

@@ -81,9 +81,8 @@ def _source_key(src: Path, layout: str) -> str:
 def open_pack(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None, layout: str = "exact",
               progress: bool = False, in_place: bool | None = None) -> Path:
     """The pack for `path`: the path itself when it is a pack, else the cached pack of that GGUF
-    file or HF directory, packed now if missing or if the source changed since. A GGUF in the
-    exact layout is packed in place by default (in_place=None): the cached pack holds the common
-    tensors and the index, and reads the experts from the GGUF, so no second copy is made."""
+    file or HF directory, packed now if missing or if the source changed since; a GGUF in the exact
+    layout in place by default (in_place=None: the experts read from the GGUF, no second copy)."""
     p = Path(path)
     if _is_pack(p):
         return p
@@ -97,8 +96,7 @@ def open_pack(path: str | os.PathLike, cache_dir: str | os.PathLike | None = Non
     if _is_gguf_model(p):          # a shard set is named by its model, however it was given
         first = shard_paths(p)[0]
         name = m["stem"] if (m := SHARD_RE.match(first.name)) else first.stem
-    default = in_place is None
-    if default:
+    if default := in_place is None:
         in_place = _is_gguf_model(p) and layout == "exact"
     out = out / f"{name}-{_source_key(p, layout + ('+in-place' if in_place else ''))}"
     if not _is_pack(out):

@@ -29,6 +29,7 @@ from pathlib import Path
 from mawforge.byte_rules import KV_DTYPES, is_dense, kv_row_bytes, prompt_entry_bytes, state_bytes
 from mawforge.errors import FormatError
 from mawforge.pack.manifest import read_index, read_manifest
+from mawforge.sysmem import DEFAULT_MARGIN, DEFAULT_MARGIN_MIN, cgroup_limit as _cgroup_limit, mem_available as _mem_available  # noqa: E501
 
 GiB = 1 << 30
 RUNTIME_GROWTH_BYTES = 32 << 20   # first-forward growth after imports (32-49 MiB measured)
@@ -63,61 +64,9 @@ class Budget:
         return Budget(self.bytes - nbytes, f"{self.source} less {what}")
 
 
-DEFAULT_MARGIN = 0.08                  # of the memory found, left to the page cache, the kernel and others
-DEFAULT_MARGIN_MIN = 256 * 2**20
-_UNLIMITED = 1 << 60
-
-
-def _cgroup_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> tuple[int, str] | None:
-    """The tightest memory limit of this process's cgroup and its parents (v1's memory controller,
-    or v2's unified hierarchy), with the group's path; None where no limit is set."""
-    best = None
-    try:
-        lines = Path(proc_cgroup).read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, path = parts
-        if "memory" in controllers.split(","):
-            base, name = Path(root) / "memory", "memory.limit_in_bytes"
-        elif controllers == "":
-            base, name = Path(root), "memory.max"
-        else:
-            continue
-        group = Path(path.lstrip("/"))
-        for g in [group, *group.parents]:
-            try:
-                raw = (base / g / name).read_text().strip()
-            except OSError:
-                continue
-            if raw == "max":
-                continue
-            try:
-                v = int(raw)
-            except ValueError:
-                continue
-            if v < _UNLIMITED and (best is None or v < best[0]):
-                best = (v, "/" + str(g).lstrip("."))
-    return best
-
-
-def _mem_available(meminfo: str = "/proc/meminfo") -> int | None:
-    try:
-        for line in Path(meminfo).read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def default_budget() -> Budget | None:
-    """The budget when none is given: the memory this process can have (its cgroup's limit where one
-    is set, else the machine's available memory, whichever is smaller) less DEFAULT_MARGIN (at least
-    DEFAULT_MARGIN_MIN), named in the plan's table. None where neither can be read (not Linux)."""
+    """With no budget given: what this process can have (sysmem: its cgroup's limit, or the machine's
+    available memory, the smaller) less DEFAULT_MARGIN, named in the plan. None off Linux."""
     avail, limit = _mem_available(), _cgroup_limit()
     if avail is None and limit is None:
         return None

@@ -6,16 +6,16 @@ themselves when read back, so a damaged or foreign pack is a one-line error.
 from __future__ import annotations
 
 import json
-import os
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import xxhash
 
-from mawforge.errors import FormatError, IntegrityError
+from mawforge.errors import FormatError
 from mawforge.formats import jsonio
 from mawforge.formats.config import ModelConfig
+from mawforge.pack.fields import MAX_OFFSET, _hex, _int, _list, _obj, _shape, _str  # noqa: F401
+from mawforge.pack.sources import PAGE, SourceFile, SourceRange, resolve_source  # noqa: F401  (re-exported)
 
 FORMAT = "mawforge-pack"
 # 2: the index's layer templates carry a digest, the manifest carries the index file's digest,
@@ -24,8 +24,6 @@ FORMAT = "mawforge-pack"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 MANIFEST, COMMON, EXPERTS, INDEX = "manifest.json", "common.bin", "experts.pack", "experts.index"
-MAX_OFFSET = 1 << 62          # any offset or size at or past this is damage, not a model
-_HEX128 = re.compile(r"[0-9a-f]{32}")
 
 
 def digest(data) -> str:
@@ -45,45 +43,6 @@ def file_digest(path: Path, chunk: int = 4 << 20) -> str:
 def canonical(obj) -> bytes:
     """The bytes a JSON value's digest is taken over: sorted keys, no whitespace."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-
-
-# ---- field checks: every value read from manifest.json / experts.index goes through one ----
-
-def _int(v, what: str, lo: int = 0, hi: int = MAX_OFFSET) -> int:
-    if type(v) is not int or not lo <= v < hi:
-        raise FormatError(f"{what} must be an integer in [{lo}, {hi}), got {v!r}"[:200])
-    return v
-
-
-def _str(v, what: str) -> str:
-    if not isinstance(v, str):
-        raise FormatError(f"{what} must be a string, got {type(v).__name__}")
-    return v
-
-
-def _list(v, what: str) -> list:
-    if not isinstance(v, list):
-        raise FormatError(f"{what} must be a list, got {type(v).__name__}")
-    return v
-
-
-def _obj(v, what: str) -> dict:
-    if not isinstance(v, dict):
-        raise FormatError(f"{what} must be an object, got {type(v).__name__}")
-    return v
-
-
-def _shape(v, what: str) -> tuple[int, ...]:
-    dims = _list(v, what)
-    if not 1 <= len(dims) <= 8:
-        raise FormatError(f"{what} must have 1 to 8 dims, got {len(dims)}")
-    return tuple(_int(s, what, 0, 1 << 40) for s in dims)
-
-
-def _hex(v, what: str) -> str:
-    if not isinstance(v, str) or not _HEX128.fullmatch(v):
-        raise FormatError(f"{what} must be a 32-digit hex digest, got {v!r}"[:200])
-    return v
 
 
 @dataclass(frozen=True)
@@ -131,48 +90,6 @@ class TensorRecord:
         return cls(name, _str(d.get("qtype"), f"{what} qtype"), _str(d.get("codec"), f"{what} codec"),
                    _shape(d.get("shape"), f"{what} shape"),
                    tuple(Part.from_dict(p, f"{what} part") for p in parts))
-
-
-PAGE = 4096
-
-
-@dataclass(frozen=True)
-class SourceFile:
-    """A source GGUF file an in-place pack reads its expert blocks from."""
-    name: str        # the file's name
-    path: str        # its absolute path when packed
-    relpath: str     # its path relative to the pack directory when packed (tried first)
-    size: int
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict, what: str) -> "SourceFile":
-        d = _obj(d, what)
-        return cls(_str(d.get("name"), f"{what} name"), _str(d.get("path"), f"{what} path"),
-                   _str(d.get("relpath"), f"{what} relpath"), _int(d.get("size"), f"{what} size"))
-
-
-@dataclass(frozen=True)
-class SourceRange:
-    """Where one expert tensor of an in-place pack's layer lies: per expert, a byte offset in a
-    source file (the length is the tensor's part), and the digest of all its experts' bytes, in
-    order, so `verify` can name the tensor that changed."""
-    file: int
-    tensor: str
-    offsets: tuple[int, ...]
-    digest: str
-
-    def to_dict(self) -> dict:
-        return {"file": self.file, "tensor": self.tensor, "offsets": list(self.offsets), "digest": self.digest}
-
-    @classmethod
-    def from_dict(cls, d: dict, what: str, n_files: int) -> "SourceRange":
-        d = _obj(d, what)
-        return cls(_int(d.get("file"), f"{what} file", 0, max(n_files, 1)), _str(d.get("tensor"), f"{what} tensor"),
-                   tuple(_int(o, f"{what} offset") for o in _list(d.get("offsets"), f"{what} offsets")),
-                   _hex(d.get("digest"), f"{what} digest"))
 
 
 @dataclass(frozen=True)
@@ -425,18 +342,3 @@ def compute_pack_digest(config: dict, common: tuple[TensorRecord, ...], common_d
             pd.update(canonical({"files": [f.to_dict() for f in index.files],
                                  "sources": [[r.to_dict() for r in lb.sources] for lb in index.layers]}))
     return pd.hexdigest()
-
-
-def resolve_source(pack: Path, f) -> Path:
-    """Where an in-place pack's source file is now: beside the pack as it was when packed (so a
-    pack and its model moved together keep working), else where it was. A missing file or one of
-    another size is a one-line error naming it (edited, truncated, moved or deleted)."""
-    for p in (Path(os.path.normpath(Path(pack) / f.relpath)), Path(f.path)):
-        if p.is_file():
-            size = p.stat().st_size
-            if size != f.size:
-                raise IntegrityError(f"{p} has {size} bytes, {f.size} when {Path(pack).name} was packed in place "
-                                     "from it: the source changed; run `mawforge verify` or pack it again")
-            return p
-    raise IntegrityError(f"{f.name}, the source file of in-place pack {Path(pack).name}, is missing "
-                         f"(not at {f.path}): moved or deleted; put it back or pack again")

@@ -24,13 +24,14 @@ import numpy as np
 import xxhash
 
 from mawforge import __version__
-from mawforge.errors import FormatError, MawError, PackExists
+from mawforge.errors import FormatError, MawError
 from mawforge.codecs import quants
 from mawforge.formats.source import ExpertTensor, Source, TensorInfo, open_source
 from mawforge.pack.directio import _ZEROS, Reader, Writer
+from mawforge.pack.output import check_output, fsync_dir, replace_dir
+from mawforge.pack.inplace import InPlaceRefused, check_in_place, in_place_index  # noqa: F401  (re-exported)
 from mawforge.pack.manifest import (COMMON, EXPERTS, INDEX, MANIFEST, PAGE, ExpertIndex, LayerBlocks, Manifest,
-                                    Part, SourceFile, SourceRange, TensorRecord, compute_pack_digest, digest,
-                                    file_digest)
+                                    Part, TensorRecord, compute_pack_digest, digest, file_digest)
 
 CHUNK = 32 << 20
 BATCH_BYTES = 16 << 20             # source bytes of experts read per batch (per layer)
@@ -113,7 +114,7 @@ def plan_pack(src: Source, alignment: int, layout: str, in_place: bool = False) 
             rec, end = _place(quants.choose_codec(et.qtype, layout, et.shape), et.qtype, et.shape, end + gap,
                               part_align, et.kind)
             if in_place:
-                _check_in_place(src, et, rec)
+                check_in_place(et, rec, _byte_exact(rec.codec))
                 heads = {off % PAGE for _, off, _ in et.pieces}
                 head = heads.pop() if len(heads) == 1 else 0    # every expert's bytes start alike in a page:
                 if head and head % PART_ALIGN == 0:            # the part starts there too, read in place
@@ -127,19 +128,6 @@ def plan_pack(src: Source, alignment: int, layout: str, in_place: bool = False) 
         layers.append((ets, LayerBlocks(layer, end, tuple(recs), offsets, ("",) * n)))
         base += n * stride
     return _Plan(common, layers, off, base)
-
-
-class InPlaceRefused(FormatError):
-    """A source whose experts cannot be read in place (checked before anything is written)."""
-
-
-def _check_in_place(src: Source, et: ExpertTensor, rec: TensorRecord) -> None:
-    what = f"--in-place: layer {et.layer} {et.kind} experts"
-    if not _byte_exact(rec.codec) or len(rec.parts) != 1:
-        raise InPlaceRefused(f"{what} ({et.qtype.name}) are stored transcoded ({rec.codec}), not as the source's "
-                          "bytes; in-place packs need --layout exact and a type the runtime reads as stored")
-    if len({p for p, _, _ in et.pieces}) != 1:
-        raise InPlaceRefused(f"{what} lie in several files; in-place packs need each expert tensor in one file")
 
 
 class _Progress:
@@ -303,23 +291,6 @@ def _write_experts(plan: _Plan, rd: Reader, out: Path | None, prog: _Progress) -
     return layers, {k: h.hexdigest() for k, h in src_hash.items()}
 
 
-def _in_place_index(plan: _Plan, src: Source, layers: list[LayerBlocks], src_digests: dict, out: Path,
-                    alignment: int) -> ExpertIndex:
-    """The index of an in-place pack: the source files and, per layer and tensor, where each
-    expert's bytes lie in them."""
-    files = list(src.files)
-    where = {f: i for i, f in enumerate(files)}
-    recs = tuple(SourceFile(f.name, str(f.resolve()), os.path.relpath(f.resolve(), out.resolve()),
-                            os.path.getsize(f)) for f in files)
-    done = []
-    for (ets, _), lb in zip(plan.layers, layers):
-        ranges = tuple(SourceRange(where[et.pieces[0][0]], f"blk.{et.layer}.ffn_{et.kind}_exps.weight",
-                                   tuple(off for _, off, _ in et.pieces), src_digests[(et.layer, et.kind)])
-                       for et in ets)
-        done.append(replace(lb, sources=ranges))
-    return ExpertIndex(alignment, tuple(done), recs)
-
-
 def _tokenizer(src: Source, tmp: Path) -> dict:
     if src.kind == "gguf":
         # general.name/architecture too: llama.cpp sets some tokens' strip attributes by model name
@@ -340,7 +311,7 @@ def pack(source: str | os.PathLike, out: str | os.PathLike, *, alignment: int = 
     files (which must stay where and as they are; `verify` and every first read check them)."""
     out = Path(out)
     layout = quants.pack_layout(layout)
-    _check_output(out, force)
+    check_output(out, force)
     src = open_source(source)
     if in_place and src.kind != "gguf":
         raise InPlaceRefused(f"{source}: --in-place packs a GGUF file or shard set (a Hugging Face directory's "
@@ -360,7 +331,7 @@ def pack(source: str | os.PathLike, out: str | os.PathLike, *, alignment: int = 
         common_hasher = xxhash.xxh3_128()
         common_digests = _write_common(plan, files, tmp / COMMON, common_hasher, prog)
         layers, expert_src = _write_experts(plan, files, None if in_place else tmp / EXPERTS, prog)
-        index = (_in_place_index(plan, src, layers, expert_src, out, alignment) if in_place
+        index = (in_place_index(plan.layers, src, layers, expert_src, out, alignment) if in_place
                  else ExpertIndex(alignment, tuple(layers)))
         index_json = index.to_json()
         (tmp / INDEX).write_text(index_json)
@@ -371,8 +342,8 @@ def pack(source: str | os.PathLike, out: str | os.PathLike, *, alignment: int = 
         manifest = _manifest(src, plan, index, common_digests, tok, source_digest, alignment, layout,
                              digest(index_json.encode()))
         (tmp / MANIFEST).write_text(manifest.to_json())
-        _fsync_dir(tmp)
-        _replace(tmp, out)
+        fsync_dir(tmp)
+        replace_dir(tmp, out)
         return manifest
     except OSError as e:
         if e.errno == errno.ENOSPC:
@@ -383,25 +354,6 @@ def pack(source: str | os.PathLike, out: str | os.PathLike, *, alignment: int = 
         files.close()
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _check_output(out: Path, force: bool) -> None:
-    """Refuse what would fail half-way or destroy something that is not a pack."""
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise MawError(f"cannot create {out}: {parent} is a file, not a directory")
-            if not os.access(parent, os.W_OK):
-                raise MawError(f"cannot create {out}: {parent} is not writable")
-            break
-    if not out.exists() and not out.is_symlink():
-        return
-    if not out.is_dir():
-        raise PackExists(f"{out} exists and is a file, not a pack directory; choose another -o")
-    if not force:
-        raise PackExists(f"{out} exists; pass --force to replace it")
-    if any(out.iterdir()) and not (out / MANIFEST).exists():
-        raise PackExists(f"{out} is a non-empty directory that is not a pack; --force only replaces packs")
 
 
 def _manifest(src, plan, index, common_digests, tok, source_digest, alignment, layout, index_digest) -> Manifest:
@@ -423,24 +375,3 @@ def _manifest(src, plan, index, common_digests, tok, source_digest, alignment, l
                  in_place=index.in_place)
     return Manifest(src.config, ident, pack_digest, alignment, layout, tf, totals, common,
                     common_digests, {**tok, "created_by": f"mawforge {__version__}"}, index_digest=index_digest)
-
-
-def _fsync_dir(d: Path) -> None:
-    for f in d.iterdir():
-        with open(f, "rb+") as fh:
-            os.fsync(fh.fileno())
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.rename(out, old)
-    os.rename(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

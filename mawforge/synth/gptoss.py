@@ -135,7 +135,7 @@ def _payload(s: OssSpec, t: OssTensor):
 
 
 def _metadata(w: gguf.GGUFWriter, s: OssSpec) -> None:
-    from mawforge.synth import CHATML, tokenizer
+    from mawforge.synth import add_tokenizer
     w.add_name(f"mawforge-synth-gpt-oss-{s.layers}L-MXFP4")
     w.add_file_type(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -156,16 +156,7 @@ def _metadata(w: gguf.GGUFWriter, s: OssSpec) -> None:
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     w.add_rope_scaling_factor(32.0)
     w.add_rope_scaling_orig_ctx_len(4096)
-    tokens, types, merges, bos, eos = tokenizer(s.vocab)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    for key, tid in (("bos", bos), ("eos", eos), ("padding", bos)):
-        w.add_uint32(f"tokenizer.ggml.{key}_token_id", tid)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHATML)
+    add_tokenizer(w, s.vocab)
     for key in ("seed", "skew"):
         w.add_string(f"mawforge.synth.{key}", str(getattr(s, key)))
 
