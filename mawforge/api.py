@@ -375,15 +375,15 @@ def load(path: str | os.PathLike, *, memory_budget_gib: float | Budget | None = 
          prompt_cache_gib: float | None = None, speculative: str | None = None,
          chat_template: str | None = None, cache_dir: str | os.PathLike | None = None,
          layout: str = "exact", device: str = "cpu", progress: bool = False,
-         stream_embeddings: bool = False) -> Model:
+         stream_embeddings: bool = False, miss_policy: str = "exact") -> Model:
     """Load a pack (or a GGUF file / HF directory, packed on first use) under a memory budget.
     The plan is made once; a configuration it rejects raises BudgetRejected with its reason.
     `prompt_cache_gib`: saved prompts reused by later calls that share a prefix (None: the
-    planner's auto size, 0: off)."""
+    planner's auto size, 0: off). `miss_policy`: models/miss_policy.py (lossy ones are opt-in)."""
     opts = RuntimeOptions(context=context, budget=as_budget(memory_budget_gib),
                           expert_cache_percent=expert_cache_percent, expert_cache_gib=expert_cache_gib,
                           policy=policy, prefetch=prefetch, threads=threads, kv_dtype=kv_dtype,
-                          prefill_chunk=prefill_chunk, prefill_wave=prefill_wave,
+                          prefill_chunk=prefill_chunk, prefill_wave=prefill_wave, miss_policy=miss_policy,
                           prompt_cache_gib=prompt_cache_gib, device=device, stream_embeddings=stream_embeddings)
     pack = open_pack(path, cache_dir, layout, progress)
     spec = None

@@ -93,6 +93,9 @@ class Telemetry:
     planned_footprint_bytes: int = 0    # F = C + E + K + P + O, plus the drafter's planned bytes
     planned_draft_bytes: int = 0        # a draft model's L (or MTP state) within F
     cache_policy: str = ""
+    # decode's miss policy (models/miss_policy.py) and the experts it substituted / skipped
+    miss_policy: dict = field(default_factory=lambda: {"mode": "exact", "threshold": None,
+                                                       "substituted": 0, "skipped": 0})
     pack_digest: str = ""
     finish_reason: str = ""
     speculative: dict = field(default_factory=lambda: {"mode": "off", "drafted": 0, "accepted": 0,

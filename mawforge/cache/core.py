@@ -51,18 +51,20 @@ def check_capacity(capacity_bytes: int, block_sizes_per_layer, top_k: int) -> in
 
 
 def unique_experts(experts) -> list[int]:
-    """The layer's distinct experts in ascending id order (expert-major access order)."""
+    """The layer's distinct experts in ascending id order (expert-major access order); -1 (a miss a
+    lossy decode skipped, models/miss_policy.py) is no access."""
     if isinstance(experts, np.ndarray):
         if experts.ndim == 2 and experts.shape[0] == 1:  # decode: skip np.unique's overhead
-            return sorted(set(experts[0].tolist()))
-        return np.unique(experts).tolist()
+            return sorted(e for e in set(experts[0].tolist()) if e >= 0)
+        ids = np.unique(experts)
+        return ids[ids >= 0].tolist()
     flat = set()
     for row in experts:
         if isinstance(row, (int, np.integer)):
             flat.add(int(row))
         else:
             flat.update(int(e) for e in row)
-    return sorted(flat)
+    return sorted(e for e in flat if e >= 0)
 
 
 def plan_groups(sizes: Sequence[int], capacity_bytes: int) -> list[tuple[int, int]]:

@@ -111,6 +111,7 @@ class RouteDriver:
         if arr.ndim != 2 or arr.dtype == object:
             return unique_experts(experts), None
         ids, counts = np.unique(arr, return_counts=True)
+        ids, counts = ids[ids >= 0], counts[ids >= 0]       # -1: a skipped miss, no access
         share = arr.size / self.n_experts
         return ids.tolist(), [c / share if c > 1 else 0.0 for c in counts.tolist()]
 

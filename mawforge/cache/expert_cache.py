@@ -199,6 +199,10 @@ class ExpertCache:
             yield list(group.keys)
         self._run_prefetch(self.driver.after_layer(layer))
 
+    def holds(self, key: Key) -> bool:
+        """The block is resident or on its way (a prefetch in flight); touches nothing."""
+        return key in self.core
+
     def weights(self, key: Key) -> dict[str, quants.PackedWeight]:
         """The resident block's tensors (kind -> PackedWeight), once its read has arrived."""
         return self._ready(key).weights

@@ -82,7 +82,7 @@ class ConfidencePrefetcher(Prefetcher, name="confidence"):
         if layer not in self._last:
             bisect.insort(self._layers, layer)
         ranked = sorted(range(len(row_e)), key=lambda i: (-row_w[i], i))
-        self._last[layer] = [row_e[i] for i in ranked if row_w[i] / total >= self.threshold]
+        self._last[layer] = [row_e[i] for i in ranked if row_w[i] / total >= self.threshold and row_e[i] >= 0]
 
     def predict(self, kind: str, after_layer: int | None) -> list[Key]:
         if self.prefill_only and kind != "prefill":

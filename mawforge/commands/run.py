@@ -25,6 +25,11 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookahead", action="store_true",
                    help="with an explicit --prefetch policy (or none): also prefetch the experts of the "
                         "layers ahead by router lookahead (always on in auto)")
+    p.add_argument("--miss-policy", default="exact",
+                   help="decode's handling of a missed expert: exact (default: read it), or, lossy, "
+                        "substitute[:W] (the best resident expert by router score) or skip[:W], for "
+                        "misses whose gate weight is below W (default 0.1); prefill is always exact; "
+                        "docs/miss-policy.md gives each setting's measured price")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: torch's, the cores)")
     p.add_argument("--no-thread-governor", action="store_true",
@@ -41,7 +46,7 @@ def runtime_options(a: argparse.Namespace):
     """The whole run configuration of `run` and `serve`: the budget flags and the runtime's."""
     return replace(plan_options(a), policy=a.policy, prefetch=a.prefetch, device=a.device,
                    direct_io=not a.no_direct_io, threads=a.threads, lookahead=a.lookahead,
-                   thread_governor=not a.no_thread_governor)
+                   thread_governor=not a.no_thread_governor, miss_policy=a.miss_policy)
 
 
 def make_recorder(a: argparse.Namespace):

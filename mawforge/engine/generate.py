@@ -117,6 +117,7 @@ def generate(rt: Runtime, prompt: list[int], params: SamplingParams,
     sampler, detok, scan = Sampler(params, list(processors)), Detokenizer(rt.tokenizer), _StopScanner(params.stop)
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else rt.tokenizer.eos_ids)
     before = rt.cache.stats()
+    before["miss_counts"] = dict(rt.model.experts.miss.counts)
     emb_before = rt.weights.embedding_bytes_read
     t0 = time.perf_counter()
     rt.cache.prefill_keys.clear()
@@ -206,4 +207,6 @@ def _telemetry(rt: Runtime, n_prompt: int, n_out: int, t0: float, t_first: float
         embedding_bytes_read=rt.weights.embedding_bytes_read - emb_before,
         rss_bytes=rss_bytes(), peak_rss_bytes=peak_rss_bytes(), budget_bytes=p.budget_bytes,
         budget_source=f"{p.budget_source}; cache: {p.cache_source}", planned_footprint_bytes=p.F,
+        miss_policy={**rt.model.experts.miss.report(),
+                     **{k: v - before["miss_counts"][k] for k, v in rt.model.experts.miss.counts.items()}},
         cache_policy=rt.opts.policy, pack_digest=rt.manifest.pack_digest, finish_reason=reason)

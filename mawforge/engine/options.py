@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from mawforge.errors import FormatError
+from mawforge.models.miss_policy import MissPolicy
 from mawforge.plan import (PREFILL_WAVE, Budget, PackFacts, PairPlan, Plan, default_budget, draft_footprint,
                            make_plan)
 
@@ -35,12 +36,14 @@ class RuntimeOptions:
     extra_overhead_bytes: int = 0      # held beside the runtime by the caller (serve's dashboard): in O
     prompt_cache_gib: float | None = None   # saved prompts (P); 0: off; None: plan.py's auto size
     max_batch: int = 1                 # sequences a batching server steps at once: K counts each one's KV
+    miss_policy: str = "exact"         # decode's handling of a missed expert (models/miss_policy.py)
 
     def __post_init__(self) -> None:
         if self.prefill_chunk < 1:
             raise FormatError(f"prefill chunk must be positive, got {self.prefill_chunk}")
         if self.prefill_wave < 1:
             raise FormatError(f"prefill wave must be positive, got {self.prefill_wave}")
+        MissPolicy.parse(self.miss_policy)     # a bad spec fails here, before anything loads
         if self.budget is not None and not isinstance(self.budget, Budget):
             raise TypeError(f"RuntimeOptions.budget takes a plan.Budget, got {type(self.budget).__name__}")
 

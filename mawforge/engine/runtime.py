@@ -22,6 +22,7 @@ from mawforge.engine.options import RuntimeOptions, plan_for_options
 from mawforge.errors import BudgetRejected, Cancelled, FormatError, RequestError
 from mawforge.kernels import native
 from mawforge.models import model_class
+from mawforge.models.miss_policy import MissPolicy
 from mawforge.pack.manifest import read_index, read_manifest
 from mawforge.plan import PackFacts, Plan, framework_in_process
 
@@ -85,6 +86,7 @@ class Runtime:
         # the prompt cache (engine/prompt_reuse.py; generate() prefills through it), None when off
         store = prompt_store if prompt_store is not None else PromptStore(self.plan.P) if self.plan.P else None
         self.prompt_cache = PromptCache(self, store) if store is not None else None
+        self.model.experts.miss = MissPolicy.parse(opts.miss_policy)
         self.lookahead = opts.lookahead or auto
         if self.lookahead:
             self.model.experts.ahead = LOOKAHEAD

@@ -202,6 +202,7 @@ class MoETransformer:
     def __init__(self, cfg: ModelConfig, weights, experts, device: torch.device):
         self.cfg, self.w, self.device = cfg, weights, device
         self.experts = MoEBlock(experts, lambda: self.expert_fn)
+        self.experts.router_logits, self.experts.renorm = self.router_logits, cfg.norm_topk_prob
         self.rope = Rope(cfg.head_dim, cfg.rope_base, cfg.rope_layout, device)
         self.scale = cfg.head_dim ** -0.5
         self.layers = bind_layers(cfg, weights)
@@ -250,6 +251,11 @@ class MoETransformer:
         if native.route_takes(h, w):     # every row routed as a decode layer routes its token (row-exact)
             return native.route_topk(h, w, self.cfg.top_k, self.cfg.norm_topk_prob)
         return route_softmax_topk(h @ w.T, self.cfg.top_k, self.cfg.norm_topk_prob)
+
+    def router_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """The router's score of every expert [T, E] for the FFN input h: what a lossy miss
+        policy ranks resident substitutes by (models/miss_policy.py)."""
+        return h.float() @ self._bound(layer, "ffn_gate_inp.weight").float().T
 
     def beside_experts(self, layer: int, h: torch.Tensor) -> torch.Tensor | None:
         return None

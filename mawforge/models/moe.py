@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from mawforge.kernels import cpu as kernels, linear, native
+from mawforge.models.miss_policy import MissPolicy
 
 
 def swiglu_expert(x: torch.Tensor, parts: dict) -> torch.Tensor:
@@ -44,6 +45,11 @@ class MoEBlock:
         # a batch's coordinator (engine/batch.py): gate(layer, x, idx, w) -> the rows' output once
         # the block has run over every sequence of the step, or None to compute here at once
         self.gate: Callable | None = None
+        # decode's miss policy (models/miss_policy.py; exact by default), and what it needs of the
+        # model: the router logits of a layer's FFN input, and whether top-k weights are renormalized
+        self.miss = MissPolicy()
+        self.router_logits: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+        self.renorm = True
 
     def lookahead(self, layer: int, x: torch.Tensor, route: Callable, n_layers: int, dense: Sequence[int]) -> None:
         """Before this layer's experts: apply layer+ahead's router (at layer 0, and in a prefill
@@ -89,6 +95,9 @@ class MoEBlock:
         fn = fn or swiglu_expert
         idx_np = idx.cpu().numpy()
         w_np = w.float().cpu().numpy()
+        if self.miss.lossy and self.cache.driver.kind == "decode":
+            idx_np, w_np = self._lossy(layer, x, idx_np, w_np)
+            idx, w = torch.from_numpy(idx_np), torch.from_numpy(w_np)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         for keys in self.cache.resident(layer, idx_np, w_np):
             if plain and self._fused(x, keys, idx_np, w_np, out):
@@ -105,6 +114,12 @@ class MoEBlock:
                 y = y * w.index_select(0, t).gather(1, torch.from_numpy(slot_k).to(x.device)[:, None]).float()
                 out.index_add_(0, t, y)
         return out
+
+    def _lossy(self, layer: int, x: torch.Tensor, idx_np: np.ndarray, w_np: np.ndarray):
+        logits = None
+        if self.router_logits is not None:
+            logits = lambda: self.router_logits(layer, x).float().cpu().numpy()  # noqa: E731
+        return self.miss.apply(layer, idx_np, w_np, self.cache.holds, logits, self.renorm)
 
     def _fused(self, x: torch.Tensor, keys, idx_np: np.ndarray, w_np: np.ndarray, out: torch.Tensor) -> bool:
         """All of a group's experts in one native call (decode, verify, and prefill chunks of up to

@@ -31,6 +31,8 @@ def merge(tels: list[Telemetry], prompt_tokens: int, n: int = 1) -> Telemetry:
     out = replace(tels[-1], prompt_tokens=prompt_tokens, ttft_s=tels[0].ttft_s, prefill_s=tels[0].prefill_s,
                   cached_tokens=sum(t.cached_tokens for t in tels[::n]),
                   **{k: sum(getattr(t, k) for t in tels) for k in _SUMMED})
+    out.miss_policy = {**tels[-1].miss_policy, **{k: sum(t.miss_policy[k] for t in tels)
+                                                   for k in ("substituted", "skipped")}}
     out.hit_rate = out.hits / (out.hits + out.misses) if out.hits + out.misses else 0.0
     steps = out.completion_tokens - len(tels)
     out.decode_tok_s = steps / out.decode_s if steps > 0 and out.decode_s > 0 else 0.0

@@ -121,11 +121,13 @@ class Ledger:
     COUNTERS = ("prompt_tokens", "cached_tokens", "completion_tokens", "hits", "misses", "evictions",
                 "materialized_bytes", "prefetched_bytes", "prefetch_useful_bytes", "prefetch_wasted_bytes",
                 "embedding_bytes_read")
+    # decode's lossy miss policy (models/miss_policy.py): experts it substituted and skipped
+    MISS_COUNTERS = ("substituted_experts", "skipped_experts")
 
     def __init__(self, log_path: str | None = None):
         self.lock = threading.Lock()
         self.requests: dict[tuple[str, int], int] = {}
-        self.totals = dict.fromkeys(self.COUNTERS, 0)
+        self.totals = dict.fromkeys(self.COUNTERS + self.MISS_COUNTERS, 0)
         self.prompt_cache_hits = 0     # requests that reused a cached prompt prefix
         self.seconds = {"ttft": 0.0, "decode": 0.0, "total": 0.0, "queue": 0.0}
         self.finished = {}
@@ -145,6 +147,8 @@ class Ledger:
             if telemetry is not None:
                 for k in self.COUNTERS:
                     self.totals[k] += telemetry[k]
+                for k in self.MISS_COUNTERS:
+                    self.totals[k] += telemetry["miss_policy"][k.split("_")[0]]
                 self.prompt_cache_hits += telemetry["cached_tokens"] > 0
                 for k in ("ttft", "decode", "total"):
                     self.seconds[k] += telemetry[f"{k}_s"]

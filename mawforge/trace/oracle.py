@@ -54,7 +54,7 @@ def access_sequence(trace: Trace) -> AccessSeq:
     row_layer = trace.rec_layer[row_rec].astype(np.int64)  # [N]
     code = (row_rec[:, None] * trace.meta.n_layers + row_layer[:, None]) * e \
         + trace.experts.astype(np.int64)  # [N, k]
-    code = np.unique(code)  # sorted: record order, then expert id ascending
+    code = np.unique(code[trace.experts >= 0])  # sorted: record order, then expert id ascending (-1: skipped)
     key = code % (trace.meta.n_layers * e)
     record = code // (trace.meta.n_layers * e)
     sizes = trace.block_bytes.reshape(-1)[key]

@@ -54,8 +54,8 @@ def _repeat(routes: np.ndarray, lag: int) -> float | None:
     if len(routes) <= lag:
         return None
     a, b = routes[lag:], routes[:-lag]
-    hits = (a[:, :, None] == b[:, None, :]).any(axis=2).sum()
-    return float(hits / a.size)
+    hits = ((a[:, :, None] == b[:, None, :]).any(axis=2) & (a >= 0)).sum()
+    return float(hits / max(1, (a >= 0).sum()))
 
 
 def _within(routes: np.ndarray, n_experts: int, window: int) -> float | None:
@@ -64,6 +64,7 @@ def _within(routes: np.ndarray, n_experts: int, window: int) -> float | None:
     last = np.full(n_experts, -10**9)
     hits = total = 0
     for t, row in enumerate(routes):
+        row = row[row >= 0]                       # -1: a miss a lossy decode skipped
         if t >= window:
             hits += int(((t - last[row]) <= window).sum())
             total += len(row)
@@ -76,6 +77,7 @@ def _distances(routes: np.ndarray, n_experts: int) -> tuple[np.ndarray, int]:
     last = np.full(n_experts, -1)
     out, firsts = [], 0
     for t, row in enumerate(routes):
+        row = row[row >= 0]
         seen = last[row]
         firsts += int((seen < 0).sum())
         out.append(t - seen[seen >= 0])
@@ -86,7 +88,8 @@ def _distances(routes: np.ndarray, n_experts: int) -> tuple[np.ndarray, int]:
 def _entropy(routes: np.ndarray, n_experts: int) -> float | None:
     if not len(routes):
         return None
-    p = np.bincount(routes.ravel(), minlength=n_experts) / routes.size
+    flat = routes[routes >= 0]
+    p = np.bincount(flat, minlength=n_experts) / max(1, flat.size)
     p = p[p > 0]
     return float(-(p * np.log2(p)).sum() / math.log2(n_experts))
 
@@ -95,9 +98,11 @@ def _hot_coverage(routes: np.ndarray, n_experts: int, hot: float) -> float | Non
     half = len(routes) // 2
     if half < 1:
         return None
-    counts = np.bincount(routes[:half].ravel(), minlength=n_experts)
+    first, rest = routes[:half], routes[half:]
+    counts = np.bincount(first[first >= 0], minlength=n_experts)
     top = np.argsort(-counts, kind="stable")[:max(1, round(hot * n_experts))]
-    return float(np.isin(routes[half:], top).mean())
+    rest = rest[rest >= 0]
+    return float(np.isin(rest, top).mean()) if rest.size else None
 
 
 def _mean(xs) -> float | None:
@@ -118,7 +123,7 @@ def routing_stats(trace: Trace, phase: str = "decode", hot: float = 0.4,
         d, f = _distances(r, E)
         all_d.append(d)
         firsts += f
-        n_routings += r.size
+        n_routings += int((r >= 0).sum())
         per_layer.append({"layer": layer, "tokens": len(r), **{f"repeat_lag{g}": _repeat(r, g) for g in LAGS},
                           "within_8": _within(r, E, 8), "entropy": _entropy(r, E),
                           "hot_coverage": _hot_coverage(r, E, hot)})

@@ -49,6 +49,10 @@ class GptOss(MoETransformer):
         top, idx = torch.topk(logits, self.cfg.top_k, dim=-1)                     # [T, k]
         return idx, torch.softmax(top, dim=-1)
 
+    def router_logits(self, layer: int, h: torch.Tensor) -> torch.Tensor:
+        lw = self.layers[layer]
+        return h.float() @ lw["ffn_gate_inp.weight"].T + lw["ffn_gate_inp.bias"]
+
     def attention(self, layer: int, x: torch.Tensor, pos: torch.Tensor, kv) -> torch.Tensor:
         cfg, T, lw = self.cfg, x.shape[0], self.layers[layer]
         H, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
