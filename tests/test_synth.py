@@ -11,7 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q, GGUFReader
 from gguf.quants import dequantize
 
-from mawforge.errors import PackExists, UnsupportedError
+from mawforge.errors import FormatError, PackExists, UnsupportedError
 from mawforge.fixtures.llama_ref import llama_generate, llama_logits
 from mawforge.synth.routing import forward, routing_stats, zipf_inclusion
 from mawforge.synth import add_arguments, main, synth, tokenizer, use_more_bits
@@ -196,3 +196,32 @@ def test_gpt_oss_cli_and_bad_input(tmp_path):
     with pytest.raises(FormatError, match="--shape gpt-oss takes"):
         main(p.parse_args(["-o", str(tmp_path / "x.gguf"), "--shape", "gpt-oss", "--stickiness", "0.3"]))
     assert not list(tmp_path.iterdir())
+
+
+def test_recency_norm_weights_make_a_kernel_that_falls_with_distance():
+    from mawforge.synth.realistic import kernel, recency_norm_weights
+    g = recency_norm_weights(0.6, 128, 1e6)
+    w = kernel(g, 1e6, 4096)
+    assert w[0] == 1.0 and w[1] > w[2] > w[4] > w[8]
+    assert w[:8].sum() > 2.0                       # a window of a few tokens, not the token alone
+    assert w[64:].max() < 0.005                    # each distant token is out of it, out to the span,
+    assert w[64:].sum() < 0.15 * w[:16].sum()      # and all 4,032 together weigh little beside the recent
+
+
+def test_real_routing_repeats_recent_experts_more_than_older_ones_and_llama_cpp_agrees(tmp_path):
+    path = synth(tmp_path / "real.gguf", 4, vocab=VOCAB, progress=False, report=False, routing="real", **TINY)
+    tokens = np.random.default_rng(5).integers(0, VOCAB, 160)
+    chosen, mine, _ = forward(path, tokens)                                   # [T, L, k]
+
+    def repeat(sel, lag):
+        return float((sel[lag:, :, None] == sel[:-lag, None, :]).any(-1).mean())
+    for layer in (1, 3):                                                      # local layers
+        sel = chosen[:, layer]
+        assert repeat(sel, 1) > repeat(sel, 8) + 0.08, layer
+    first = routing_stats(chosen[:, :1], 16)["layers"][0]
+    assert first["entropy"] > 0.95 and abs(repeat(chosen[:, 0], 1) - repeat(chosen[:, 0], 8)) < 0.08
+    ref = llama_logits(path, list(tokens[:24]))[-1]
+    _, mine, _ = forward(path, tokens[:24])
+    assert np.corrcoef(ref, mine)[0, 1] > 0.999
+    with pytest.raises(FormatError):
+        synth(tmp_path / "x.gguf", 2, vocab=VOCAB, routing="real", skew=1.0, **TINY)
