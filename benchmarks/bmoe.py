@@ -93,10 +93,12 @@ def parse(output: str, need_stream: bool = True, need_hit: bool = False) -> dict
 
 def run_bmoe(model: str | Path, prompt_text: str, n_predict: int, cache_mb: int, io_threads: int = 4,
              threads: int = 2, n_expert_used: int | None = None, seed: int = 0, temp: float = 0.0,
-             extra: Sequence[str] = (), timeout: float = 3600, binary: Path | None = None) -> dict:
+             extra: Sequence[str] = (), timeout: float = 3600, binary: Path | None = None,
+             wrap=None) -> dict:
     """One streamed (`--moe-stream --dense-weights anon`) bmoe-cli run; greedy unless temp > 0.
     Returns parse()'s numbers plus cmd and raw_tail (the last 12 stdout lines: the summary; the
-    ~350-line llama.cpp log on stderr is shown only when the run fails)."""
+    ~350-line llama.cpp log on stderr is shown only when the run fails). wrap(cmd) -> the command
+    run (e.g. a cgroup's MemoryCgroup.wrap); cmd is recorded unwrapped."""
     binary = binary or bmoe_binary()
     if binary is None:
         raise BmoeError("no bmoe-cli: run `python scripts/bmoe_build.py` (or set BMOE_BIN)")
@@ -108,7 +110,8 @@ def run_bmoe(model: str | Path, prompt_text: str, n_predict: int, cache_mb: int,
     if n_expert_used is not None:
         cmd += ["--n-expert-used", str(n_expert_used)]
     cmd += list(extra)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, errors="replace")
+    p = subprocess.run(wrap(cmd) if wrap else cmd, capture_output=True, text=True, timeout=timeout,
+                       errors="replace")
     if p.returncode != 0:
         tail = "\n".join((p.stderr + p.stdout).splitlines()[-40:])
         raise BmoeError(f"bmoe-cli exited {p.returncode}: {' '.join(cmd)}\n{tail}")

@@ -63,17 +63,27 @@ sys.exit(p.returncode)
 
 
 def synth_model(layers: int, quant: str = "Q4_K_M", skew: float = 0.0, stickiness: float = 0.0,
-                seed: int = 0) -> Path:
-    """A shape-true Qwen3-30B-A3B-dimension GGUF under work/bench (built once)."""
+                seed: int = 0, routing: str = "zipf") -> Path:
+    """A shape-true Qwen3-30B-A3B-dimension GGUF under work/bench (built once); routing "real" is
+    `synth --routing real` (skew and stickiness then do not apply)."""
     WORK.mkdir(parents=True, exist_ok=True)
-    name = f"qwen3moe-L{layers}-{quant}-skew{skew:g}-stick{stickiness:g}-s{seed}.gguf"
+    how = ["--skew", str(skew), "--stickiness", str(stickiness)] if routing == "zipf" else ["--routing", routing]
+    name = (f"qwen3moe-L{layers}-{quant}-skew{skew:g}-stick{stickiness:g}-s{seed}.gguf" if routing == "zipf"
+            else f"qwen3moe-L{layers}-{quant}-{routing}-s{seed}.gguf")
     out = WORK / name
     if not out.exists():
         r = run_child([PY, "-m", "mawforge.cli", "synth", "-o", str(out), "--layers", str(layers), "--quant", quant,
-                       "--skew", str(skew), "--stickiness", str(stickiness), "--seed", str(seed), "--no-report"])
+                       *how, "--seed", str(seed), "--no-report"])
         if r["rc"] != 0:
             raise SystemExit(f"synth failed: {r['stderr'][-2000:]}")
     return out
+
+
+def fullsize_model(layers: int = 48, routing: str = "zipf") -> Path:
+    """The full-size benchmarks' file: Zipf routing (skew 1.0, stickiness 0.3), or `--routing real`
+    (routing calibrated to real text, docs/synth.md)."""
+    return synth_model(layers, "Q4_K_M", skew=1.0, stickiness=0.3) if routing == "zipf" else \
+        synth_model(layers, "Q4_K_M", routing=routing)
 
 
 def pack_of(gguf: Path, layout: str = "exact", in_place: bool = False) -> Path:

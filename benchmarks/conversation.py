@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 import conv_engines as E  # noqa: E402
-from common import ROOT, WORK, machine, pack_of, save, synth_model, worker_row  # noqa: E402
+from common import ROOT, WORK, fullsize_model, machine, pack_of, save, worker_row  # noqa: E402
 
 FALLBACK_TEMPLATE = Path(__file__).with_name("qwen_tools.jinja")
 THREADS = int(os.environ.get("MAWFORGE_BENCH_THREADS", "2"))
@@ -267,6 +267,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", type=Path, help="another GGUF (default: the full-size 48-layer synthetic file)")
     ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--routing", choices=("zipf", "real"), default="zipf",
+                    help="the full-size file's routing: zipf (skew 1.0, stickiness 0.3) or real (synth --routing real)")
     ap.add_argument("--limits", default="0,8", help="GiB; 0 = resident (the whole model in memory)")
     ap.add_argument("--rounds", type=int, default=1, help="repeat every row, alternating the engine order")
     ap.add_argument("--workloads", default="chat,agent")
@@ -283,7 +285,7 @@ def main() -> int:
     ap.add_argument("--ftllm-sys-path", default="",
                     help="folders appended to fastllm's sys.path for packages its --no-deps venv lacks")
     a = ap.parse_args()
-    gguf = a.gguf.resolve() if a.gguf else synth_model(a.layers, "Q4_K_M", skew=1.0, stickiness=0.3)
+    gguf = a.gguf.resolve() if a.gguf else fullsize_model(a.layers, a.routing)
     if a.gguf:                  # packed beside a link under work/bench, not beside the file
         WORK.mkdir(parents=True, exist_ok=True)
         link = WORK / gguf.name

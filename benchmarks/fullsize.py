@@ -29,7 +29,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import llama_repack_off, machine, pack_of, save, synth_model, worker_parser, worker_row  # noqa: E402
+from common import fullsize_model, llama_repack_off, machine, pack_of, save, worker_parser, worker_row  # noqa: E402
 
 THREADS = int(os.environ.get("MAWFORGE_BENCH_THREADS", "2"))
 GiB = 2**30
@@ -421,8 +421,10 @@ def main() -> int:
                     help="MawForge's cache policies under the limits, each its own row "
                          "(the first is 'mawforge', others 'mawforge [POLICY]'), alternating --rounds times")
     ap.add_argument("--rounds", type=int, default=1, help="repeat each limit's MawForge rows, alternating")
+    ap.add_argument("--routing", choices=("zipf", "real"), default="zipf",
+                    help="the file's routing: zipf (skew 1.0, stickiness 0.3) or real (synth --routing real)")
     a = ap.parse_args()
-    gguf = synth_model(a.layers, "Q4_K_M", skew=1.0, stickiness=0.3)
+    gguf = fullsize_model(a.layers, a.routing)
     pack = pack_of(gguf)
     size = os.path.getsize(gguf)
     full = ["--classes", a.classes, "--greedy-tokens", str(a.greedy_tokens)]

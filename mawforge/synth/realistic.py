@@ -36,10 +36,10 @@ import numpy as np
 
 @dataclass(frozen=True)
 class RealRouting:
-    skew: float = 0.75           # Zipf exponent of each layer's global popularity, layers >= 1
+    skew: float = 0.7            # Zipf exponent of each layer's global popularity, layers >= 1
     first_skew: float = 0.25     # layer 0's
     local_share: float = 0.5     # local (recent-token) context's share of the router input's token variance
-    context_share: float = 0.25  # global (prefix) context's share
+    context_share: float = 0.15  # global (prefix) context's share
     rho: float = 0.6             # the local kernel's decay a token of distance
     qk_mean: float = 0.25        # local layers' q/k column mean along c, in units of the projection std
 
