@@ -68,8 +68,11 @@ def mawforge_row(pack: Path, limit_gib: float | None, tokens: int, seed: int, po
     if r["rc"] != 0:
         row["stderr_tail"] = r["stderr"][-800:]
         return row
-    tele = json.loads(next(ln for ln in reversed(r["stdout"].splitlines()) if ln.startswith("{")))
-    tele = tele.get("telemetry", tele)
+    lines = [ln for ln in r["stderr"].splitlines() if ln.startswith("{")]     # run prints telemetry on stderr
+    if not lines:
+        row.update(status="failed: no telemetry", stderr_tail=r["stderr"][-800:])
+        return row
+    tele = json.loads(lines[-1])
     row.update(decode_tok_s=tele["decode_tok_s"], ttft_s=tele["ttft_s"], prompt_tokens=tele["prompt_tokens"],
                hit_rate=tele["hit_rate"], n_generated=tele["completion_tokens"],
                read_bytes_per_token=tele["materialized_bytes"] / max(1, tele["completion_tokens"]),
