@@ -75,8 +75,11 @@ def mawforge_row(pack: Path, limit_gib: float | None, tokens: int, seed: int, po
     tele = json.loads(lines[-1])
     row.update(decode_tok_s=tele["decode_tok_s"], ttft_s=tele["ttft_s"], prompt_tokens=tele["prompt_tokens"],
                hit_rate=tele["hit_rate"], n_generated=tele["completion_tokens"],
-               read_bytes_per_token=tele["materialized_bytes"] / max(1, tele["completion_tokens"]),
-               prefetched_bytes=tele["prefetched_bytes"], miss_policy=tele["miss_policy"])
+               # expert bytes read while decoding (demand and prefetch), as bmoe-cli's `moe-stream: read`
+               read_bytes_per_token=(tele["materialized_bytes"] + tele["prefetched_bytes"] - tele["prefill_read_bytes"])
+               / max(1, tele["completion_tokens"]),
+               materialized_bytes=tele["materialized_bytes"], prefetched_bytes=tele["prefetched_bytes"],
+               prefill_read_bytes=tele["prefill_read_bytes"], miss_policy=tele["miss_policy"])
     return row
 
 

@@ -64,3 +64,24 @@ def test_a_terminal_sees_tokens_done_and_bytes_read(pack_dir):
     assert done and max(done) == n and len(set(done)) >= 3     # tokens done, layer by layer through the wave
     read = [float(x) for x in re.findall(r"read ([0-9.]+) MiB", text)]
     assert read and max(read) > 0                               # and the expert bytes read so far
+
+
+def test_run_preloads_when_the_plan_holds_every_expert(pack_dir):
+    """With the whole model in the cache's budget `run` reads every expert in before the prompt (as
+    `serve` does), so the request itself reads nothing; --no-preload reads them as routed; a cache
+    of part of the experts starts empty."""
+    import json
+
+    def tele(*extra):
+        cmd = [sys.executable, "-m", "mawforge.cli", "run", "--pack", str(pack_dir), "--context", "512",
+               "--threads", "1", "--max-tokens", "3", "--telemetry-json", *extra, PROMPT]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return json.loads([ln for ln in r.stderr.splitlines() if ln.startswith("{")][-1])
+    warm = tele("--expert-cache-percent", "100")
+    assert warm["misses"] == 0 and warm["materialized_bytes"] == 0 and warm["prefill_read_bytes"] == 0
+    assert warm["hits"] > 0 and warm["expert_cache_held_bytes"] > 0
+    cold = tele("--expert-cache-percent", "100", "--no-preload")
+    assert cold["misses"] > 0 and cold["materialized_bytes"] > 0
+    part = tele("--expert-cache-percent", "30")
+    assert part["misses"] > 0

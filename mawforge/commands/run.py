@@ -40,6 +40,20 @@ def add_runtime_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens a prompt runs layer by layer: each layer's experts are read once a wave")
     p.add_argument("--no-direct-io", action="store_true", help="buffered reads instead of O_DIRECT")
     p.add_argument("--trace-out", default=None, help="write the route trace (.npz) here")
+    p.add_argument("--preload", dest="preload", action="store_true", default=None,
+                   help="fill the expert cache before the first prompt (at --expert-cache-percent 100: the whole "
+                        "model); default: when the plan holds every expert, so the first tokens are as fast as "
+                        "the next (not with --trace-out: a trace replays from an empty cache)")
+    p.add_argument("--no-preload", dest="preload", action="store_false",
+                   help="start at once and read experts as the first prompt routes to them")
+
+
+def should_preload(flag: bool | None, plan) -> bool:
+    """--preload / --no-preload as given; by default, when the plan's expert cache holds every expert
+    (a resident model): the first prompt then reads nothing, where it read every expert it routed
+    to while computing (a first turn about twice the next ones' TTFT at full size, and a first
+    decode that still waits on reads)."""
+    return flag if flag is not None else plan.E >= plan.expert_bytes_total
 
 
 def runtime_options(a: argparse.Namespace):
@@ -129,6 +143,8 @@ def main(a: argparse.Namespace) -> int:
     recorder = make_recorder(a)
     model = Model.from_options(a.pack, opts, speculative=spec_options(a), recorder=recorder)
     rt = model.runtime
+    if recorder is None and should_preload(a.preload, rt.plan):
+        rt.cache.preload()      # a warm start: blocks in (layer, expert) order until E is full
     try:
         with model:
             prompt = [{"role": "user", "content": a.prompt}]

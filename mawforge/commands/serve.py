@@ -8,7 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from mawforge.commands.run import add_runtime_arguments, make_recorder, runtime_options
+from mawforge.commands.run import add_runtime_arguments, make_recorder, runtime_options, should_preload
 from mawforge.commands.speculative import add_speculative_arguments, spec_options
 from mawforge.engine.threads import release_openmp_pool
 from mawforge.errors import BudgetRejected
@@ -38,11 +38,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--telemetry-log", default=None, help="append one JSON line per request here")
     p.add_argument("--no-dashboard", dest="dashboard", action="store_false",
                    help="no live dashboard at / (it is on by default; --api-key guards it too)")
-    p.add_argument("--preload", dest="preload", action="store_true", default=None,
-                   help="fill the expert cache before serving (at --expert-cache-percent 100: the whole model); "
-                        "default: when the plan holds every expert, so the first turn is as fast as the next")
-    p.add_argument("--no-preload", dest="preload", action="store_false",
-                   help="serve at once and read experts as the first requests route to them")
     p.add_argument("--max-batch", type=int, default=1,
                    help="requests stepped at once (continuous batching: each routed expert read once for all "
                         "of them; the plan counts each one's KV); 1: one at a time")
@@ -77,13 +72,6 @@ def plan_served(a: argparse.Namespace):
         return replace(opts, reserved_bytes=plan.draft.L), plan, None
     plan = plan_for_options(PackFacts.from_pack(a.pack), opts, framework_in_process())
     return opts, plan, plan
-
-
-def should_preload(flag: bool | None, plan) -> bool:
-    """--preload / --no-preload as given; by default, when the plan's expert cache holds every expert
-    (a resident server): the first prompt then reads nothing, where it read every expert it routed
-    to while computing (a first turn about twice the next ones' TTFT at full size)."""
-    return flag if flag is not None else plan.E >= plan.expert_bytes_total
 
 
 def app_for(a: argparse.Namespace, opts, run_plan, chat: dict, recorder=None, telemetry_log: str | None = None):
