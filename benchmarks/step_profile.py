@@ -29,7 +29,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import pack_of, synth_model  # noqa: E402
+from common import fullsize_model, pack_of  # noqa: E402
 from decode import THREADS, tokens  # noqa: E402
 
 
@@ -74,6 +74,8 @@ def main() -> int:
                     help="plan the expert cache under this budget instead of preloading every block")
     ap.add_argument("--warmup", type=int, default=4, help="steps before the timed passes")
     ap.add_argument("--no-thread-governor", action="store_true")
+    ap.add_argument("--routing", choices=("zipf", "real"), default="zipf",
+                    help="the file's routing: zipf (skew 1.0, stickiness 0.3) or real (synth --routing real)")
     a = ap.parse_args()
     import torch
 
@@ -82,7 +84,7 @@ def main() -> int:
     from mawforge.kernels import native
     from mawforge.plan import Budget
     torch.set_num_threads(THREADS)
-    pack = pack_of(synth_model(a.layers, "Q4_K_M", skew=1.0, stickiness=0.3))
+    pack = pack_of(fullsize_model(a.layers, a.routing))
     context = max(512, a.context + 64 + a.warmup + 3 * a.tokens + 64)
     limited = a.budget_gib is not None
     cache = dict(budget=Budget.from_gib(a.budget_gib, "--budget-gib"), stream_embeddings=True,
