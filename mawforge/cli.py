@@ -19,7 +19,7 @@ COMMANDS = {
     "replay": "mawforge.trace.replay:",
     "synth-trace": "mawforge.trace.synthetic:",
     "trace": "mawforge.trace.stats:",
-    "bench": "mawforge.bench.matrix:",
+    "bench": "mawforge.bench.command:",
     "tune": "mawforge.bench.tune:",
 }
 
@@ -111,6 +111,9 @@ def _resolve_packs(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     first = next((a for a in argv if not a.startswith("-")), None)
+    if first == "bench":
+        from mawforge.bench.command import normalize
+        argv = normalize(argv)
     try:
         cfg = _config_arg(argv)
         defaults = load_config(cfg) if cfg and first in COMMANDS else None
