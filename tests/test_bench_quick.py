@@ -26,7 +26,8 @@ def test_quick_on_the_demo_model_writes_rows_table_and_plot(tmp_path):
     assert [x["engine"] for x in rec["rows"]].count("llama.cpp") == 3
     for row in rec["rows"]:
         assert row["status"] == "ok", row
-        assert row["tokens"] == 4 and row["decode_tok_s"] > 0 and row["first_token_s"] > 0
+        assert row["tokens"] == 4 if row["engine"] == "mawforge" else 2 <= row["tokens"] <= 4
+        assert row["decode_tok_s"] > 0 and row["first_token_s"] > 0
     labels = [x["label"] for x in rec["rows"] if x["engine"] == "mawforge"]
     assert labels == ["whole", "half the experts", "a fifth of the experts"]
     table = (tmp_path / "q" / "table.md").read_text().splitlines()

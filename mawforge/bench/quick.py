@@ -13,8 +13,10 @@ included; without cgroup v1 and root it runs with `--memory-budget-gib` alone an
 dropped page cache where it may drop it. MawForge runs `mawforge run` with its defaults; llama.cpp
 its default load when the model fits, its mmap load (repack off) under a tighter limit, where its
 default load would copy the weights. Both sample at temperature 1.0 from the same text prompt
-(greedy decoding on random weights repeats one token). llama.cpp rows stop after --llama-timeout
-seconds: under a limit it reads the whole model a token.
+(greedy decoding on random weights repeats one token); MawForge ignores end-of-text, llama.cpp's
+row is timed over the tokens it generated. llama.cpp rows stop after --llama-timeout seconds (under
+a limit it reads much of the model a token) and keep the rate of the tokens they had, marked
+partial.
 """
 from __future__ import annotations
 
@@ -74,8 +76,9 @@ def _child(cmd: list[str], limit: int, timeout: float) -> dict:
     try:
         p = subprocess.run(cg.wrap(cmd) if cg else cmd, capture_output=True, text=True, timeout=timeout)
         out = {"rc": p.returncode, "stdout": p.stdout, "stderr": p.stderr}
-    except subprocess.TimeoutExpired:
-        out = {"rc": None, "stdout": "", "stderr": "", "timeout": True}
+    except subprocess.TimeoutExpired as e:     # what it printed so far is kept (llama.cpp's progress lines)
+        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+        out = {"rc": None, "stdout": text(e.stdout), "stderr": text(e.stderr), "timeout": True}
     finally:
         out_stats = cg.stats() if cg else {}
         if cg:
@@ -102,21 +105,23 @@ def mawforge_row(pack: Path, limit: int, tokens: int, threads: int, timeout: flo
 
 
 def llama_row(model: Path, limit: int, whole: bool, tokens: int, threads: int, timeout: float) -> dict:
+    """llama.cpp's row; past the timeout it keeps what the worker printed (a decode rate from two
+    tokens or more is still a rate, marked partial)."""
     cmd = [sys.executable, "-m", "mawforge.bench.quick", "llama-worker", str(model), str(tokens), str(threads),
            "default" if whole else "mmap"]
+    t0 = time.time()
     r = _child(cmd, limit, timeout)
     row = {"engine": "llama.cpp", "load": "default" if whole else "mmap (repack off)", "wall_s": r["wall_s"],
            "peak_bytes": r["peak_bytes"]}
-    lines = [ln for ln in r["stdout"].splitlines() if ln.startswith("{")]
-    if r["rc"] != 0 or not lines:
-        why = "timeout" if r.get("timeout") else \
+    lines = [json.loads(ln) for ln in r["stdout"].splitlines() if ln.startswith("{")]
+    got = lines[-1] if lines else {}
+    if got.get("tokens", 0) < 2 or (r["rc"] not in (0, None)):
+        why = f"timeout after {timeout:g} s" if r.get("timeout") else \
             "killed (out of memory)" if r["rc"] in (-9, 137) else f"failed: {r['stderr'].strip()[-300:]}"
-        return {**row, "status": why}
-    got = json.loads(lines[-1])
-    decode_s = (got["tokens"] - 1) / got["decode_tok_s"] if got["decode_tok_s"] else 0.0
-    # from the process start as this process times it, as MawForge's row (the worker's own figure kept)
-    return {**row, "status": "ok", **got, "worker_first_token_s": got["first_token_s"],
-            "first_token_s": r["wall_s"] - decode_s}
+        return {**row, "status": why, **got}
+    status = "ok" if r["rc"] == 0 else f"partial: {got['tokens']} tokens in {timeout:g} s"
+    # from the process start as this process times it (the worker stamps wall-clock times), as MawForge's row
+    return {**row, "status": status, **got, "first_token_s": got["first_token_at"] - t0}
 
 
 def llama_worker(model: str, tokens: int, threads: int, load: str) -> None:
@@ -134,25 +139,29 @@ def llama_worker(model: str, tokens: int, threads: int, load: str) -> None:
     llm = llama_cpp.Llama(model, n_ctx=CONTEXT, n_threads=threads, n_threads_batch=threads, verbose=False, seed=0)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    first, chunks = None, 0
-    no_eos = {llm.token_eos(): -1e9}          # as MawForge's --ignore-eos: every row generates `tokens`
-    for chunk in llm.create_completion(PROMPT, max_tokens=tokens, temperature=1.0, stream=True, logit_bias=no_eos):
-        chunks += 1
+    first, n = None, 0
+
+    def report(done: bool) -> None:           # after every token: a timed-out row keeps its progress
+        now = time.perf_counter()
+        print(json.dumps({"decode_tok_s": (n - 1) / (now - first) if n > 1 else 0.0, "ttft_s": first - t0,
+                          "load_s": load_s, "first_token_at": first_wall, "tokens": n, "done": done}), flush=True)
+    # no logit_bias against EOS: llama-cpp-python applies it in Python over the whole vocabulary each
+    # token, which would slow llama.cpp's row; a model that ends early is timed over what it generated
+    for chunk in llm.create_completion(PROMPT, max_tokens=tokens, temperature=1.0, stream=True):
+        if chunk["choices"][0].get("finish_reason") is not None:
+            break                             # the stream's closing chunk
+        n += 1
         if first is None:
-            first = time.perf_counter()
-        if chunk["choices"][0].get("finish_reason") not in (None, "length"):
-            raise SystemExit(f"llama.cpp stopped early: {chunk['choices'][0]['finish_reason']}")
-    end = time.perf_counter()
-    n = tokens                                # EOS banned: max_tokens were generated (a stream may add a last chunk)
-    print(json.dumps({"decode_tok_s": (n - 1) / (end - first) if n > 1 and end > first else 0.0,
-                      "ttft_s": first - t0, "first_token_s": load_s + first - t0, "tokens": n}))
+            first, first_wall = time.perf_counter(), time.time()
+        report(False)
+    report(True)
 
 
 def table(rows: list[dict]) -> str:
     out = ["| memory limit | engine | decode tok/s | first token s (from start) | peak memory GiB | status |",
            "|---|---|---|---|---|---|"]
     for r in rows:
-        ok = r["status"] == "ok"
+        ok = r.get("decode_tok_s", 0) > 0 and r.get("tokens", 0) >= 2      # partial rows have a rate too
         peak = f"{r['peak_bytes'] / GiB:.2f}" if r.get("peak_bytes") else "-"
         speed = f"{r['decode_tok_s']:.2f} | {r['first_token_s']:.1f}" if ok else "- | -"
         where = f"{r['label']}: {r['limit_bytes'] / GiB:.2f} GiB"
@@ -167,7 +176,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for engine, style in (("mawforge", "o-"), ("llama.cpp", "s--")):
         pts = sorted((r["limit_bytes"] / GiB, r["decode_tok_s"]) for r in rows
-                     if r["engine"] == engine and r["status"] == "ok")
+                     if r["engine"] == engine and r.get("decode_tok_s", 0) > 0)
         if pts:
             ax.plot(*zip(*pts), style, label="MawForge" if engine == "mawforge" else "llama.cpp")
     ax.set_xlabel("memory limit (GiB)")
@@ -231,8 +240,8 @@ def main(a: argparse.Namespace) -> int:
             r = {"label": label, "limit_bytes": limit, **job()}
             rows.append(r)
             print(f"  {label} ({limit / GiB:.2f} GiB) {r['engine']}: " +
-                  (f"{r['decode_tok_s']:.2f} tok/s, first token {r['first_token_s']:.1f} s" if r["status"] == "ok"
-                   else r["status"]), file=sys.stderr)
+                  (f"{r['decode_tok_s']:.2f} tok/s, first token {r['first_token_s']:.1f} s ({r['status']})"
+                   if r.get("decode_tok_s", 0) > 0 else r["status"]), file=sys.stderr)
     record = {"benchmark": "bench-quick", "model": str(model), "pack": str(pack), "cpu": cpu, "threads": a.threads,
               "tokens": a.tokens, "decode": "sampled, temperature 1.0", "cgroup": cgroup.available(),
               "loadavg_before": load0, "loadavg_after": os.getloadavg()[0], "rows": rows}
