@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import PY, ROOT, WORK, commit, cpu_kind, machine, pack_of, quiet, run_child, save, worker_row  # noqa: E402
+from common import finish_record, PY, WORK, commit, cpu_kind, machine, pack_of, quiet, run_child, worker_row  # noqa: E402
 
 GiB = 2**30
 DECODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode.py")
@@ -97,15 +97,9 @@ def main() -> int:
             record["rows"].append(r)
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
                               if k != "stderr_tail"}), flush=True)
-    record["quiet_after"] = quiet()
     print(f"\n# beyond memory, {machine()}; {first.name} ({size / 1e9:.1f} GB)")
     print(report(record))
-    out = save("beyond_memory", record)
-    print(f"record: {out}")
-    if a.record:
-        rec = ROOT / "benchmarks" / "records" / f"beyond_memory-{record['commit'].split('+')[0]}.json"
-        rec.write_text(json.dumps(record, indent=1, default=str))
-        print(f"record: {rec}")
+    finish_record("beyond_memory", record, a.record)
     return 0
 
 

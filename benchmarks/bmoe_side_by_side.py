@@ -33,8 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bmoe import BmoeError, bmoe_binary, run_bmoe  # noqa: E402
-from common import (PY, ROOT, commit, cpu_kind, drop_caches, machine, median, pack_of, quiet,  # noqa: E402
-                    run_measured, save)
+from common import (finish_record, PY, commit, cpu_kind, drop_caches, machine, median, pack_of, quiet,  # noqa: E402
+                    run_measured)
 
 GiB = 2**30
 PROMPT = ("The history of the transistor begins in the nineteen twenties, when physicists first proposed that a "
@@ -163,13 +163,7 @@ def main(argv=None) -> int:
                                           f" / BigMoeOnEdge k=6 {summary['bigmoeonedge 6']:.2f} = "
                                           f"{summary[f'mawforge {a.miss_policy}'] / summary['bigmoeonedge 6']:.2f}x"))
         rec["configs"].append({"limit_gib": limit, "rows": rows, "median_decode_tok_s": summary})
-    rec["quiet_after"] = quiet()
-    path = save("bmoe_side_by_side", rec)
-    print(f"# wrote {path}")
-    if a.record:
-        out = ROOT / "benchmarks" / "records" / f"bmoe_side_by_side-{rec['commit'].split('+')[0]}.json"
-        out.write_text(json.dumps(rec, indent=1, default=str))
-        print(f"# wrote {out}")
+    finish_record("bmoe_side_by_side", rec, a.record)
     return 0
 
 

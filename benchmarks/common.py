@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from mawforge.bench.quick import llama_repack_off  # noqa: F401  (one copy; the benchmarks import it from here)
+
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "work" / "bench"          # git-ignored
 PY = sys.executable
@@ -151,19 +153,6 @@ def worker_parser(engines: tuple[str, ...]) -> argparse.ArgumentParser:
     return ap
 
 
-def llama_repack_off() -> None:
-    """Make llama-cpp-python load models without ggml's extra buffer types (the CPU repack of
-    Q4_K and friends into interleaved layouts): the load that mmaps the file and can page."""
-    import llama_cpp
-    base = llama_cpp.llama_cpp.llama_model_default_params
-
-    def params():
-        p = base()
-        p.use_extra_bufts = False
-        return p
-    llama_cpp.llama_cpp.llama_model_default_params = params
-
-
 def quiet(window_s: float = 1.0) -> dict:
     """The machine's quiet check: load averages and every other process that used more than 5% of
     a core over window_s (name, pid, share), read from /proc."""
@@ -213,6 +202,19 @@ def commit() -> str:
 
 def median(xs) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def finish_record(name: str, record: dict, keep: bool) -> Path:
+    """The end of a benchmark: the quiet check after, the JSON under work/bench, and with keep (a
+    script's --record) a copy as benchmarks/records/NAME-COMMIT.json. Returns the work/bench path."""
+    record["quiet_after"] = quiet()
+    path = save(name, record)
+    print(f"record: {path}")
+    if keep:
+        out = ROOT / "benchmarks" / "records" / f"{name}-{record['commit'].split('+')[0]}.json"
+        out.write_text(json.dumps(record, indent=1, default=str))
+        print(f"record: {out}")
+    return path
 
 
 def save(name: str, data: dict) -> Path:

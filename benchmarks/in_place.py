@@ -22,7 +22,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import (ROOT, commit, cpu_kind, machine, median, pack_of, quiet, save, synth_model,  # noqa: E402
+from common import (finish_record, commit, cpu_kind, machine, median, pack_of, quiet, synth_model,  # noqa: E402
                     worker_row)
 
 GiB = 2**30
@@ -62,14 +62,9 @@ def main() -> int:
                 print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
                                   if k in ("pack", "config", "pair", "status", "decode_tok_s", "prefill_tok_s",
                                            "hit_rate", "peak_rss_bytes")}), flush=True)
-    record["quiet_after"] = quiet()
     print(f"\n# in-place against copied, {machine()}; {gguf.name}")
     print(report(record))
-    print(f"record: {save('in_place', record)}")
-    if a.record:
-        out = ROOT / "benchmarks" / "records" / f"in_place-{record['commit'].split('+')[0]}.json"
-        out.write_text(json.dumps(record, indent=1, default=str))
-        print(f"record: {out}")
+    finish_record("in_place", record, a.record)
     return 0
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import ROOT, WORK, commit, cpu_kind, machine, pack_of, quiet, save, worker_row  # noqa: E402
+from common import finish_record, ROOT, WORK, commit, cpu_kind, machine, pack_of, quiet, worker_row  # noqa: E402
 
 GiB = 2**30
 SETTINGS = ("exact", "substitute:0.1", "substitute:0.2", "substitute:1", "skip:0.1", "skip:0.2", "skip:1")
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     ap.add_argument("target", choices=("demo", "fullsize"))
     ap.add_argument("--model", help="fullsize: the GGUF file (packed beside it once)")
     ap.add_argument("--settings", default=",".join(SETTINGS))
-    ap.add_argument("--cache-percent", default="25,50", help="demo: expert cache sizes, % of all experts")
+    ap.add_argument("--cache-percent", default="25,50", help="demo: expert cache sizes, %% of all experts")
     ap.add_argument("--limit-gib", type=float, default=8.0, help="fullsize: the cgroup's memory limit")
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=64)
@@ -190,13 +190,7 @@ def main(argv=None) -> int:
                    ["--budget-gib", f"{a.limit_gib * 0.92:.3f}", "--threads", str(a.threads)],
                    int(a.limit_gib * GiB), "full")
         record["configs"].append({"model": Path(a.model).name, "limit_gib": a.limit_gib, "rows": rows})
-    record["quiet_after"] = quiet()
-    path = save("miss_policy", record)
-    print(f"# wrote {path}")
-    if a.record:
-        out = ROOT / "benchmarks" / "records" / f"miss_policy-{a.target}-{record['commit'].split('+')[0]}.json"
-        out.write_text(json.dumps(record, indent=1, default=str))
-        print(f"# wrote {out}")
+    finish_record(f"miss_policy-{a.target}", record, a.record)
     return 0
 
 

@@ -124,17 +124,24 @@ def llama_row(model: Path, limit: int, whole: bool, tokens: int, threads: int, t
     return {**row, "status": status, **got, "first_token_s": got["first_token_at"] - t0}
 
 
+def llama_repack_off() -> None:
+    """Make llama-cpp-python load models without ggml's extra buffer types (the CPU repack of Q4_K
+    and friends into interleaved layouts, a copy of the weights): the load that mmaps and can page."""
+    import llama_cpp
+    base = llama_cpp.llama_cpp.llama_model_default_params
+
+    def params():
+        p = base()
+        p.use_extra_bufts = False
+        return p
+    llama_cpp.llama_cpp.llama_model_default_params = params
+
+
 def llama_worker(model: str, tokens: int, threads: int, load: str) -> None:
     """One llama.cpp generation in this process (a child of `bench quick`); prints one JSON line."""
     import llama_cpp
-    if load == "mmap":        # without ggml's repack buffer (a copy of the weights): the load that can page
-        base = llama_cpp.llama_cpp.llama_model_default_params
-
-        def params():
-            p = base()
-            p.use_extra_bufts = False
-            return p
-        llama_cpp.llama_cpp.llama_model_default_params = params
+    if load == "mmap":
+        llama_repack_off()
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(model, n_ctx=CONTEXT, n_threads=threads, n_threads_batch=threads, verbose=False, seed=0)
     load_s = time.perf_counter() - t0
