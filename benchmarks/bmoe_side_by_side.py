@@ -26,6 +26,7 @@ its `generation:` line, decode calls only). The CPU model and a quiet check are 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -43,26 +44,26 @@ PROMPT = ("The history of the transistor begins in the nineteen twenties, when p
           "working point-contact device. Explain how that invention changed computing over the next fifty years.")
 
 
-def limited(limit_gib: float | None, cmd: list[str]):
-    """(command to run, cgroup or None) for cmd inside limit_gib."""
+@contextlib.contextmanager
+def limited(limit_gib: float | None):
+    """A cold row inside limit_gib: yields what wraps a command into the limit's cgroup (None: whole
+    machine), the page cache dropped first; the cgroup is removed after."""
     if limit_gib is None:
-        return cmd, None
+        drop_caches()
+        yield None
+        return
     from mawforge.bench.cgroup import MemoryCgroup
-    cg = MemoryCgroup(int(limit_gib * GiB)).__enter__()
-    return cg.wrap(cmd), cg
+    with MemoryCgroup(int(limit_gib * GiB)) as cg:
+        drop_caches()
+        yield cg.wrap
 
 
 def mawforge_row(pack: Path, limit_gib: float | None, tokens: int, seed: int, policy: str) -> dict:
     cmd = [PY, "-m", "mawforge.cli", "run", "--pack", str(pack), PROMPT, "--max-tokens", str(tokens),
            "--temperature", "1.0", "--seed", str(seed), "--ignore-eos", "--telemetry-json", "--threads", "2",
            "--miss-policy", policy]
-    run, cg = limited(limit_gib, cmd)
-    try:
-        drop_caches()
-        r = run_measured(run, timeout=3600)
-    finally:
-        if cg:
-            cg.close()
+    with limited(limit_gib) as wrap:
+        r = run_measured(wrap(cmd) if wrap else cmd, timeout=3600)
     row = {"engine": "mawforge", "setting": policy, "cmd": cmd, "peak_rss_bytes": r.get("peak_rss_bytes", 0),
            "wall_s": r["wall_s"], "status": "ok" if r["rc"] == 0 else f"failed rc={r['rc']}"}
     if r["rc"] != 0:
@@ -87,21 +88,14 @@ def bmoe_row(model: Path, limit_gib: float | None, tokens: int, seed: int, k: in
     cache_mb = all_mb if limit_gib is None else int(5500 * limit_gib / 8)
     row = {"engine": "bigmoeonedge", "setting": "lossless" if k is None else f"n-expert-used {k}",
            "cache_mb": cache_mb}
-    cg = None
-    if limit_gib is not None:
-        from mawforge.bench.cgroup import MemoryCgroup
-        cg = MemoryCgroup(int(limit_gib * GiB)).__enter__()
     try:
-        drop_caches()
-        r = run_bmoe(model, PROMPT, tokens, cache_mb, io_threads=4, threads=2, n_expert_used=k, seed=seed, temp=1.0,
-                     wrap=cg.wrap if cg else None)
+        with limited(limit_gib) as wrap:
+            r = run_bmoe(model, PROMPT, tokens, cache_mb, io_threads=4, threads=2, n_expert_used=k, seed=seed,
+                         temp=1.0, wrap=wrap)
         row.update(r, status="ok")
         row["ttft_s"] = r["load_s"] + r["prefill_s"]
     except BmoeError as e:
         row.update(status="failed", error=str(e)[-800:])
-    finally:
-        if cg:
-            cg.close()
     return row
 
 
